@@ -1,0 +1,1 @@
+"""DeepInfer attention subsystem: sparse MLA kernels, entry points and a small serving engine."""

@@ -1,0 +1,118 @@
+"""Argument validation shared by the sparse MLA reference, kernels and entry points.
+
+Every check raises TypeError (wrong type/dtype) or ValueError (wrong shape, device, value) with
+the argument's name and what was expected, so bad input never reaches a kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_HEADS = (64, 128)
+SUPPORTED_D_QK = (512, 576)
+SUPPORTED_D_V = (512,)
+
+
+def require_tensor(name: str, t, *, dtypes: tuple[torch.dtype, ...], ndim: int | tuple[int, ...]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    ndims = (ndim,) if isinstance(ndim, int) else ndim
+    if t.dim() not in ndims:
+        raise ValueError(f"{name}: expected {' or '.join(map(str, ndims))} dims, got shape {tuple(t.shape)}")
+
+
+def require_same_device(ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{name}: expected device {ref.device} (same as {ref_name}), got {t.device}")
+
+
+def require_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.size(-1) > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {t.stride()}")
+
+
+def require_scale(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a python float, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"{name}: expected a finite positive float, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class SparseMlaShape:
+    s_q: int
+    h_q: int
+    d_qk: int
+    s_kv: int
+    topk: int
+    d_v: int
+
+
+def check_sparse_mla_args(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale,
+    d_v: int,
+    attn_sink: torch.Tensor | None,
+    topk_length: torch.Tensor | None,
+    *,
+    q_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
+    limit_shapes: bool = True,
+) -> tuple[SparseMlaShape, torch.Tensor]:
+    """Validate the prefill operator's arguments; returns the shape and indices as [s_q, topk].
+
+    q [s_q, h_q, d_qk]; kv [s_kv, 1, d_qk]; indices [s_q, topk] or [s_q, 1, topk] int32;
+    attn_sink [h_q] float32; topk_length [s_q] int32. `limit_shapes` restricts h_q / d_qk / d_v to
+    the model shapes the kernels are built for (the reference accepts any).
+    """
+    require_tensor("q", q, dtypes=q_dtypes, ndim=3)
+    require_tensor("kv", kv, dtypes=(q.dtype,), ndim=3)
+    require_tensor("indices", indices, dtypes=(torch.int32,), ndim=(2, 3))
+    require_same_device("q", q, kv=kv, indices=indices, attn_sink=attn_sink, topk_length=topk_length)
+    sm_scale = require_scale("sm_scale", sm_scale)
+    s_q, h_q, d_qk = q.shape
+    s_kv, h_kv, d_kv = kv.shape
+    if h_kv != 1:
+        raise ValueError(f"kv: expected 1 kv head (shape [s_kv, 1, d_qk]), got shape {tuple(kv.shape)}")
+    if d_kv != d_qk:
+        raise ValueError(f"kv: expected last dim {d_qk} (q's d_qk), got {d_kv}")
+    if indices.dim() == 3:
+        if indices.size(1) != 1:
+            raise ValueError(f"indices: expected shape [s_q, topk] or [s_q, 1, topk], got {tuple(indices.shape)}")
+        indices = indices[:, 0, :]
+    if indices.size(0) != s_q:
+        raise ValueError(f"indices: expected {s_q} rows (q's s_q), got shape {tuple(indices.shape)}")
+    topk = indices.size(1)
+    if topk < 1:
+        raise ValueError(f"indices: expected topk >= 1, got shape {tuple(indices.shape)}")
+    if isinstance(d_v, bool) or not isinstance(d_v, int):
+        raise TypeError(f"d_v: expected an int, got {type(d_v).__name__}")
+    if not 1 <= d_v <= d_qk:
+        raise ValueError(f"d_v: expected 1 <= d_v <= d_qk ({d_qk}), got {d_v}")
+    if limit_shapes:
+        if h_q not in SUPPORTED_HEADS:
+            raise ValueError(f"q: expected h_q in {SUPPORTED_HEADS}, got {h_q}")
+        if d_qk not in SUPPORTED_D_QK:
+            raise ValueError(f"q: expected d_qk in {SUPPORTED_D_QK}, got {d_qk}")
+        if d_v not in SUPPORTED_D_V:
+            raise ValueError(f"d_v: expected one of {SUPPORTED_D_V}, got {d_v}")
+        for name, t in (("q", q), ("kv", kv), ("indices", indices)):
+            require_last_dim_contiguous(name, t)
+    if attn_sink is not None:
+        require_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), ndim=1)
+        if attn_sink.size(0) != h_q:
+            raise ValueError(f"attn_sink: expected shape [{h_q}] (q's h_q), got {tuple(attn_sink.shape)}")
+    if topk_length is not None:
+        require_tensor("topk_length", topk_length, dtypes=(torch.int32,), ndim=1)
+        if topk_length.size(0) != s_q:
+            raise ValueError(f"topk_length: expected shape [{s_q}] (q's s_q), got {tuple(topk_length.shape)}")
+    return SparseMlaShape(s_q, h_q, d_qk, s_kv, topk, d_v), indices

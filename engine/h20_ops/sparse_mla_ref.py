@@ -1,0 +1,144 @@
+"""The float32 reference (oracle) for sparse MLA: every backend and adapter is tested against it.
+
+Semantics (../shared/reference/sparse_mla_contract.md; FlashMLA's current contract):
+  - entry j of row i is valid iff 0 <= idx[i, j] < s_kv and (if given) j < topk_length[i];
+    invalid entries are masked and never dereferenced; duplicates count once per occurrence;
+  - P = q_i . kv[idx]^T * sm_scale (fp32), invalid -> -inf; lse = logsumexp(P) (natural log);
+    max_logits = max(P); out = softmax(P) @ kv[idx, :d_v];
+  - sink s [h_q]: out *= 1 / (1 + exp(s - lse)); it never changes lse or max_logits;
+  - a row with no valid entry: out = 0, max_logits = -inf, lse = +inf.
+Decode is the same per (request, query token) over the union of a main and an optional extra cache:
+one softmax, the sink applied once.
+
+Readable first: it runs on CPU or GPU, in chunks of query rows to bound memory.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from engine.h20_ops.checks import check_sparse_mla_args, require_same_device, require_tensor
+
+_ROWS_PER_CHUNK = 64
+
+
+class RefResult(NamedTuple):
+    out: torch.Tensor  # fp32 [..., h_q, d_v]
+    max_logits: torch.Tensor  # fp32 [..., h_q], natural scale
+    lse: torch.Tensor  # fp32 [..., h_q], natural log
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sm_scale: float, d_v: int,
+            attn_sink: torch.Tensor | None) -> RefResult:
+    """q [n, h, d] fp32, keys [n, k, d] fp32 (rows of invalid entries are ignored), valid [n, k]."""
+    # Zero the invalid rows so NaN/Inf in them cannot leak through 0 * NaN.
+    keys = torch.where(valid[:, :, None], keys, torch.zeros((), dtype=keys.dtype, device=keys.device))
+    scores = torch.einsum("nhd,nkd->nhk", q, keys) * sm_scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    max_logits = scores.amax(dim=-1)
+    lse = torch.logsumexp(scores, dim=-1)
+    empty = ~valid.any(dim=-1)  # [n]
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all -inf rows -> NaN -> 0
+    out = torch.einsum("nhk,nkd->nhd", probs, keys[:, :, :d_v])
+    lse = lse.masked_fill(empty[:, None], float("inf"))
+    if attn_sink is not None:
+        # 1 / (1 + exp(s - lse)) written as a sigmoid: exact at s = +-inf and for empty rows
+        # (lse = +inf -> factor 1, out already 0), no overflow for large |s - lse|.
+        factor = torch.sigmoid(lse - attn_sink.float()[None, :])
+        factor = torch.where(empty[:, None], torch.ones_like(factor), factor)
+        out = out * factor[:, :, None]
+    return RefResult(out, max_logits, lse)
+
+
+def _valid_entries(indices: torch.Tensor, limit: int, topk_length: torch.Tensor | None) -> torch.Tensor:
+    """[n, k] bool: 0 <= idx < limit and position < topk_length (per row)."""
+    valid = (indices >= 0) & (indices < limit)
+    if topk_length is not None:
+        positions = torch.arange(indices.size(-1), device=indices.device)
+        valid &= positions[None, :] < topk_length[:, None].long()
+    return valid
+
+
+def _gather(kv_rows: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """kv_rows [s_kv, d] -> [n, k, d] fp32; invalid entries read row 0 (or nothing if s_kv == 0)."""
+    if kv_rows.size(0) == 0:
+        return kv_rows.new_zeros((*indices.shape, kv_rows.size(-1)), dtype=torch.float32)
+    safe = torch.where(valid, indices, torch.zeros_like(indices)).long()
+    return kv_rows[safe].float()
+
+
+def sparse_mla_prefill_ref(q, kv, indices, sm_scale, d_v: int = 512, attn_sink=None,
+                           topk_length=None) -> RefResult:
+    """q [s_q, h_q, d_qk]; kv [s_kv, 1, d_qk]; indices [s_q, topk] or [s_q, 1, topk] int32."""
+    shape, indices = check_sparse_mla_args(
+        q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
+        q_dtypes=(torch.bfloat16, torch.float16, torch.float32), limit_shapes=False)
+    kv_rows = kv[:, 0, :]
+    outs, maxes, lses = [], [], []
+    for start in range(0, shape.s_q, _ROWS_PER_CHUNK):
+        rows = slice(start, start + _ROWS_PER_CHUNK)
+        idx = indices[rows]
+        valid = _valid_entries(idx, shape.s_kv, None if topk_length is None else topk_length[rows])
+        res = _attend(q[rows].float(), _gather(kv_rows, idx, valid), valid, float(sm_scale), d_v, attn_sink)
+        outs.append(res.out)
+        maxes.append(res.max_logits)
+        lses.append(res.lse)
+    if shape.s_q == 0:
+        empty = q.new_zeros((0, shape.h_q), dtype=torch.float32)
+        return RefResult(q.new_zeros((0, shape.h_q, d_v), dtype=torch.float32), empty, empty)
+    return RefResult(torch.cat(outs), torch.cat(maxes), torch.cat(lses))
+
+
+def _check_decode_cache(name_kv: str, kv, name_idx: str, indices, name_len: str, topk_length,
+                        q: torch.Tensor) -> None:
+    b, s_q, _, d = q.shape
+    require_tensor(name_kv, kv, dtypes=(q.dtype,), ndim=4)
+    require_tensor(name_idx, indices, dtypes=(torch.int32,), ndim=3)
+    require_same_device("q", q, **{name_kv: kv, name_idx: indices, name_len: topk_length})
+    if kv.size(0) != b or kv.size(2) != 1 or kv.size(3) != d:
+        raise ValueError(f"{name_kv}: expected shape [{b}, N, 1, {d}], got {tuple(kv.shape)}")
+    if indices.size(0) != b or indices.size(1) != s_q or indices.size(2) < 1:
+        raise ValueError(f"{name_idx}: expected shape [{b}, {s_q}, topk>=1], got {tuple(indices.shape)}")
+    if topk_length is not None:
+        require_tensor(name_len, topk_length, dtypes=(torch.int32,), ndim=1)
+        if topk_length.size(0) != b:
+            raise ValueError(f"{name_len}: expected shape [{b}] (one per request), got {tuple(topk_length.shape)}")
+
+
+def sparse_mla_decode_ref(q, kv, indices, sm_scale, d_v: int = 512, attn_sink=None, topk_length=None,
+                          extra_kv=None, extra_indices=None, extra_topk_length=None) -> RefResult:
+    """Per-request caches: q [B, s_q, h_q, d]; kv [B, N, 1, d] with request-local indices
+    [B, s_q, topk]; optional extra cache extra_kv [B, E, 1, d] with extra_indices [B, s_q, etopk].
+    topk_length / extra_topk_length are per request [B]. One softmax over the union of both."""
+    require_tensor("q", q, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=4)
+    _check_decode_cache("kv", kv, "indices", indices, "topk_length", topk_length, q)
+    if (extra_kv is None) != (extra_indices is None):
+        raise ValueError("extra_kv and extra_indices: pass both or neither")
+    if extra_topk_length is not None and extra_kv is None:
+        raise ValueError("extra_topk_length: given without extra_kv / extra_indices")
+    if extra_kv is not None:
+        _check_decode_cache("extra_kv", extra_kv, "extra_indices", extra_indices, "extra_topk_length",
+                            extra_topk_length, q)
+    b, s_q, h_q, d = q.shape
+    if attn_sink is not None:
+        require_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), ndim=1)
+        if attn_sink.size(0) != h_q:
+            raise ValueError(f"attn_sink: expected shape [{h_q}] (q's h_q), got {tuple(attn_sink.shape)}")
+    if b == 0:
+        raise ValueError(f"q: expected at least one request, got shape {tuple(q.shape)}")
+
+    def lengths_of(lengths: torch.Tensor | None, r: int) -> torch.Tensor | None:
+        return None if lengths is None else lengths[r].expand(s_q)  # per request -> per query row
+
+    results = []
+    for r in range(b):
+        valid = _valid_entries(indices[r], kv.size(1), lengths_of(topk_length, r))
+        keys = _gather(kv[r, :, 0, :], indices[r], valid)
+        if extra_kv is not None:
+            extra_valid = _valid_entries(extra_indices[r], extra_kv.size(1), lengths_of(extra_topk_length, r))
+            keys = torch.cat([keys, _gather(extra_kv[r, :, 0, :], extra_indices[r], extra_valid)], dim=1)
+            valid = torch.cat([valid, extra_valid], dim=1)
+        results.append(_attend(q[r].float(), keys, valid, float(sm_scale), d_v, attn_sink))
+    return RefResult(*(torch.stack(parts) for parts in zip(*results)))
