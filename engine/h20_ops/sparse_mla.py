@@ -3,7 +3,7 @@
 Backends: `tilelang` (engine.h20_ops.sparse_mla_sm90, base-2 lse), `triton`
 (engine.h20_ops.vendor.flashmla_sparse, FlashMLA contract, natural-log lse) and `ref` (the float32
 oracle). DEEPINFER_SPARSE_MLA_BACKEND picks one; unset means tilelang if its kernel module
-imports, else triton. Only ModuleNotFoundError counts as "TileLang missing": a present but broken
+imports, else triton (always triton, under its interpreter, on a machine without CUDA). Only ModuleNotFoundError counts as "TileLang missing": a present but broken
 install (any other error) propagates. DEEPINFER_SIMULATE_NO_TILELANG=1 installs an import hook so
 that the real auto path runs as on a node without TileLang.
 
@@ -66,7 +66,15 @@ def install_tilelang_block() -> None:
 
 
 def _import_tilelang_kernels():
-    return importlib.import_module(TILELANG_KERNEL_MODULE)
+    """Import the TileLang kernel module. Only a ModuleNotFoundError for tilelang itself means
+    "TileLang missing"; one for anything else (our own module, tilelang's dependencies) is a broken
+    install and is re-raised as ImportError so that no caller mistakes it for absence."""
+    try:
+        return importlib.import_module(TILELANG_KERNEL_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name == "tilelang" or (exc.name or "").startswith("tilelang."):
+            raise
+        raise ImportError(f"TileLang kernel module {TILELANG_KERNEL_MODULE} failed to import: {exc}") from exc
 
 
 def _dp_rank_suffix() -> str:
@@ -92,6 +100,9 @@ def _resolve() -> Resolution:
                 f"DEEPINFER_SPARSE_MLA_BACKEND=tilelang but TileLang cannot be imported ({exc}); "
                 "install the `tilelang` extra (or the offline bundle, see README) or choose triton") from exc
         return Resolution("tilelang", "DEEPINFER_SPARSE_MLA_BACKEND=tilelang", None)
+    if not torch.cuda.is_available():
+        # TileLang kernels can only run on an SM90 GPU; here Triton runs under its interpreter.
+        return Resolution("triton", "auto: no CUDA device (Triton interpreter)", None)
     try:
         _import_tilelang_kernels()
     except ModuleNotFoundError as exc:

@@ -1,0 +1,149 @@
+"""Backend resolution (auto, explicit, simulated absence, broken installs) and the lse convention."""
+
+import importlib.abc
+import logging
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from engine import config
+from engine.h20_ops import sparse_mla
+from engine.h20_ops.sparse_mla_ref import sparse_mla_prefill_ref
+
+KERNEL_MODULE = sparse_mla.TILELANG_KERNEL_MODULE
+
+
+def _is_tilelang_module(name):
+    return name == "tilelang" or name.startswith("tilelang.") or name == KERNEL_MODULE
+
+
+@pytest.fixture
+def fresh_process(monkeypatch):
+    """A process state with no resolution, no tilelang modules and no import hooks; restored after."""
+    for var in config.ALL_VARIABLES:
+        monkeypatch.delenv(var.name, raising=False)
+    saved_modules = {n: m for n, m in sys.modules.items() if _is_tilelang_module(n)}
+    for name in saved_modules:
+        del sys.modules[name]
+    saved_meta_path = list(sys.meta_path)
+    sparse_mla.reset_resolution_for_tests()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # resolution as on a GPU node
+    yield monkeypatch
+    sparse_mla.reset_resolution_for_tests()
+    sys.meta_path[:] = saved_meta_path
+    for name in [n for n in sys.modules if _is_tilelang_module(n)]:
+        del sys.modules[name]
+    sys.modules.update(saved_modules)
+
+
+class _RaiseOnTileLang(importlib.abc.MetaPathFinder):
+    def __init__(self, exc):
+        self.exc = exc
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "tilelang" or fullname.startswith("tilelang."):
+            raise self.exc
+        return None
+
+
+def _fake_kernel_module():
+    return types.ModuleType(KERNEL_MODULE)
+
+
+def test_unset_with_tilelang_importable_picks_tilelang(fresh_process):
+    fresh_process.setitem(sys.modules, KERNEL_MODULE, _fake_kernel_module())
+    res = sparse_mla.backend_resolution()
+    assert (res.backend, res.tilelang_missing) == ("tilelang", None)
+
+
+def test_unset_with_simulated_absence_picks_triton_through_a_real_import(fresh_process):
+    fresh_process.setenv("DEEPINFER_SIMULATE_NO_TILELANG", "1")
+    res = sparse_mla.backend_resolution()
+    assert res.backend == "triton"
+    assert "DEEPINFER_SIMULATE_NO_TILELANG" in res.tilelang_missing
+    with pytest.raises(ModuleNotFoundError):
+        import tilelang  # noqa: F401  (the hook blocks every later import too)
+    with pytest.raises(ModuleNotFoundError):
+        importlib_import("tilelang.language")
+
+
+def importlib_import(name):
+    import importlib
+    return importlib.import_module(name)
+
+
+def test_simulation_also_hides_an_already_imported_tilelang(fresh_process):
+    fresh_process.setitem(sys.modules, "tilelang", types.ModuleType("tilelang"))
+    fresh_process.setenv("DEEPINFER_SIMULATE_NO_TILELANG", "1")
+    assert sparse_mla.resolve_backend() == "triton"
+
+
+def test_explicit_tilelang_when_missing_is_a_clear_error(fresh_process):
+    fresh_process.setenv("DEEPINFER_SPARSE_MLA_BACKEND", "tilelang")
+    sys.meta_path.insert(0, _RaiseOnTileLang(ModuleNotFoundError("No module named 'tilelang'", name="tilelang")))
+    with pytest.raises(sparse_mla.TileLangUnavailableError, match="DEEPINFER_SPARSE_MLA_BACKEND=tilelang"):
+        sparse_mla.resolve_backend()
+
+
+@pytest.mark.parametrize("exc", [ImportError("libtvm_ffi.so: undefined symbol: foo"),
+                                 RuntimeError("CUDA driver too old")])
+def test_broken_tilelang_install_surfaces(fresh_process, exc):
+    sys.meta_path.insert(0, _RaiseOnTileLang(exc))
+    with pytest.raises(type(exc), match=str(exc).split(":")[0]):
+        sparse_mla.resolve_backend()
+
+
+@pytest.mark.parametrize("value", ["ref", "triton"])
+def test_explicit_backends(fresh_process, value):
+    fresh_process.setenv("DEEPINFER_SPARSE_MLA_BACKEND", value)
+    assert sparse_mla.resolve_backend() == value
+
+
+def test_bad_value_is_a_clear_error(fresh_process):
+    fresh_process.setenv("DEEPINFER_SPARSE_MLA_BACKEND", "flashmla")
+    with pytest.raises(config.ConfigError, match="DEEPINFER_SPARSE_MLA_BACKEND='flashmla'.*tilelang, triton, ref"):
+        sparse_mla.resolve_backend()
+    with pytest.raises(ValueError, match="^backend"):
+        sparse_mla.sparse_mla_fwd(torch.zeros(1, 64, 512), torch.zeros(1, 1, 512),
+                                  torch.zeros(1, 1, dtype=torch.int32), 0.1, backend="cuda")
+
+
+def test_no_cuda_resolves_to_the_triton_interpreter(fresh_process):
+    fresh_process.setattr(torch.cuda, "is_available", lambda: False)
+    fresh_process.setitem(sys.modules, KERNEL_MODULE, _fake_kernel_module())
+    assert sparse_mla.backend_resolution().backend == "triton"
+
+
+def test_logged_once_per_process(fresh_process, caplog):
+    fresh_process.setenv("DEEPINFER_SPARSE_MLA_BACKEND", "ref")
+    with caplog.at_level(logging.INFO, logger=sparse_mla.__name__):
+        for _ in range(3):
+            sparse_mla.resolve_backend()
+    lines = [r.getMessage() for r in caplog.records if r.name == sparse_mla.__name__]
+    assert lines == ["sparse MLA backend: ref (DEEPINFER_SPARSE_MLA_BACKEND=ref)"]
+
+
+@pytest.mark.parametrize("backend", ["ref", "triton"])
+def test_lse_is_base_2_whichever_backend(backend):
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(3, 64, 512, generator=gen).bfloat16()
+    kv = torch.randn(40, 1, 512, generator=gen).bfloat16()
+    idx = torch.randint(0, 40, (3, 16), generator=gen, dtype=torch.int32)
+    idx[2] = -1  # empty row: +inf in both bases
+    out, lse2 = sparse_mla.sparse_mla_fwd(q, kv, idx, 0.05, backend=backend)
+    natural = sparse_mla_prefill_ref(q, kv, idx, 0.05).lse
+    assert out.dtype == torch.bfloat16 and lse2.dtype == torch.float32
+    ratio = (lse2[:2] / natural[:2]).double()
+    assert torch.allclose(ratio, torch.full_like(ratio, 1 / math.log(2)), rtol=1e-5)  # log2(e), not 1 or ln 2
+    assert torch.all(lse2[2] == math.inf)
+
+
+def test_missing_tilelang_dependency_is_a_broken_install_not_absence(fresh_process):
+    missing_dep = ModuleNotFoundError("No module named 'tvm_ffi'", name="tvm_ffi")
+    sys.meta_path.insert(0, _RaiseOnTileLang(missing_dep))
+    with pytest.raises(ImportError, match="tvm_ffi") as err:
+        sparse_mla.resolve_backend()
+    assert not isinstance(err.value, ModuleNotFoundError)

@@ -1,0 +1,181 @@
+"""The oracle against an independent float64 brute-force loop, and its input validation."""
+
+import math
+
+import pytest
+import torch
+
+from engine.h20_ops.sparse_mla_ref import sparse_mla_decode_ref, sparse_mla_prefill_ref
+
+INT_MIN, INT_MAX = -(2**31), 2**31 - 1
+
+
+def brute_force(q, kv, indices, sm_scale, d_v, sink=None, topk_length=None):
+    """Per row, per head, per entry: plain python loops in float64."""
+    s_q, h_q, _ = q.shape
+    s_kv = kv.shape[0]
+    q64, kv64 = q.double(), kv[:, 0, :].double()
+    out = torch.zeros(s_q, h_q, d_v, dtype=torch.float64)
+    lse = torch.empty(s_q, h_q, dtype=torch.float64)
+    max_logits = torch.empty(s_q, h_q, dtype=torch.float64)
+    for i in range(s_q):
+        chosen = [int(idx) for j, idx in enumerate(indices[i].tolist())
+                  if 0 <= idx < s_kv and (topk_length is None or j < int(topk_length[i]))]
+        for h in range(h_q):
+            if not chosen:
+                lse[i, h], max_logits[i, h] = math.inf, -math.inf
+                continue
+            scores = [float(q64[i, h] @ kv64[r]) * sm_scale for r in chosen]
+            m = max(scores)
+            denom = sum(math.exp(s - m) for s in scores)
+            lse[i, h], max_logits[i, h] = m + math.log(denom), m
+            for s, r in zip(scores, chosen):
+                out[i, h] += math.exp(s - m) / denom * kv64[r, :d_v]
+            if sink is not None:
+                s_h = float(sink[h])
+                if s_h == math.inf:
+                    out[i, h] = 0.0
+                elif s_h != -math.inf:
+                    out[i, h] *= 1.0 / (1.0 + math.exp(s_h - lse[i, h]))
+    return out, max_logits, lse
+
+
+def assert_matches(res, expected):
+    out, max_logits, lse = expected
+    torch.testing.assert_close(res.out.double(), out, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(res.lse.double(), lse, atol=2e-5, rtol=1e-6)
+    torch.testing.assert_close(res.max_logits.double(), max_logits, atol=2e-5, rtol=1e-6)
+    assert torch.equal(torch.isinf(res.lse), torch.isinf(lse))
+
+
+def make_inputs(s_q, h_q, d_qk, s_kv, topk, gen, dtype=torch.bfloat16):
+    q = torch.randn(s_q, h_q, d_qk, generator=gen).to(dtype)
+    kv = torch.randn(s_kv, 1, d_qk, generator=gen).to(dtype)
+    idx = torch.randint(0, s_kv, (s_q, topk), generator=gen, dtype=torch.int32)
+    return q, kv, idx
+
+
+@pytest.mark.parametrize("h_q,d_qk", [(64, 512), (128, 576)])
+@pytest.mark.parametrize("filler", [-1, INT_MIN, -123456, "s_kv", INT_MAX])
+def test_invalid_fillers_and_nan_rows(h_q, d_qk, filler):
+    gen = torch.Generator().manual_seed(h_q + d_qk)
+    s_q, s_kv, topk = 5, 40, 24
+    q, kv, idx = make_inputs(s_q, h_q, d_qk, s_kv, topk, gen)
+    fill = s_kv if filler == "s_kv" else filler
+    invalid = torch.rand(s_q, topk, generator=gen) < 0.4
+    idx[invalid] = fill
+    idx[3] = fill  # an empty row
+    used = set(idx[(idx >= 0) & (idx < s_kv)].tolist())
+    unused = [r for r in range(s_kv) if r not in used]
+    assert unused
+    kv[unused] = float("nan")  # NaN in unselected rows must never reach the output
+    sm_scale = d_qk ** -0.5
+    res = sparse_mla_prefill_ref(q, kv, idx, sm_scale)
+    assert_matches(res, brute_force(q, kv, idx, sm_scale, 512))
+    assert not res.out.isnan().any()
+    assert torch.all(res.out[3] == 0) and torch.all(res.lse[3] == math.inf)
+    assert torch.all(res.max_logits[3] == -math.inf)
+
+
+def test_duplicates_count_per_occurrence_and_topk_beyond_s_kv():
+    gen = torch.Generator().manual_seed(1)
+    s_q, s_kv, topk = 4, 8, 40  # topk > s_kv: duplicates are unavoidable
+    q, kv, idx = make_inputs(s_q, 64, 512, s_kv, topk, gen)
+    idx[:, ::3] = -1
+    res = sparse_mla_prefill_ref(q, kv, idx, 0.05)
+    assert_matches(res, brute_force(q, kv, idx, 0.05, 512))
+    # A row that lists one key twice weights it twice: not equal to listing it once.
+    single = sparse_mla_prefill_ref(q[:1], kv, torch.tensor([[0, 1]], dtype=torch.int32), 0.05)
+    double = sparse_mla_prefill_ref(q[:1], kv, torch.tensor([[0, 0, 1]], dtype=torch.int32), 0.05)
+    assert not torch.allclose(single.out, double.out)
+
+
+def test_sink_values_and_lse_unchanged():
+    gen = torch.Generator().manual_seed(2)
+    q, kv, idx = make_inputs(3, 64, 512, 32, 16, gen)
+    sink = torch.randn(64, generator=gen) * 3
+    sink[::3] = math.inf
+    sink[1::3] = -math.inf
+    res = sparse_mla_prefill_ref(q, kv, idx, 0.04, attn_sink=sink)
+    assert_matches(res, brute_force(q, kv, idx, 0.04, 512, sink=sink))
+    no_sink = sparse_mla_prefill_ref(q, kv, idx, 0.04)
+    assert torch.equal(res.lse, no_sink.lse)
+    assert torch.all(res.out[:, ::3] == 0)
+    assert torch.equal(res.out[:, 1::3], no_sink.out[:, 1::3])
+
+
+def test_topk_length_zero_and_partial_with_3d_indices():
+    gen = torch.Generator().manual_seed(3)
+    q, kv, idx = make_inputs(4, 128, 576, 64, 20, gen)
+    lengths = torch.tensor([0, 1, 7, 20], dtype=torch.int32)
+    sink = torch.randn(128, generator=gen)
+    res = sparse_mla_prefill_ref(q, kv, idx[:, None, :], 576 ** -0.5, attn_sink=sink, topk_length=lengths)
+    assert_matches(res, brute_force(q, kv, idx, 576 ** -0.5, 512, sink=sink, topk_length=lengths))
+    assert torch.all(res.out[0] == 0) and torch.all(res.lse[0] == math.inf)
+
+
+def test_non_contiguous_inputs():
+    gen = torch.Generator().manual_seed(4)
+    q_pad = torch.randn(6, 3, 80, 600, generator=gen).bfloat16()
+    kv_pad = torch.randn(50, 2, 700, generator=gen).bfloat16()
+    idx_pad = torch.randint(-3, 50, (6, 2, 40), generator=gen, dtype=torch.int32)
+    q, kv, idx = q_pad[:, 1, :64, :512], kv_pad[:, 1:2, 100:612], idx_pad[:, 0, ::2]
+    assert not (q.is_contiguous() or kv.is_contiguous() or idx.is_contiguous())
+    res = sparse_mla_prefill_ref(q, kv, idx, 0.05)
+    assert_matches(res, brute_force(q, kv, idx, 0.05, 512))
+
+
+def test_decode_union_of_two_caches_is_one_softmax():
+    gen = torch.Generator().manual_seed(5)
+    b, s_q, h, d, w, e = 3, 2, 64, 512, 16, 12
+    q = torch.randn(b, s_q, h, d, generator=gen).bfloat16()
+    kv = torch.randn(b, w, 1, d, generator=gen).bfloat16()
+    extra = torch.randn(b, e, 1, d, generator=gen).bfloat16()
+    idx = torch.randint(-2, w + 2, (b, s_q, 10), generator=gen, dtype=torch.int32)
+    eidx = torch.randint(-2, e + 2, (b, s_q, 6), generator=gen, dtype=torch.int32)
+    eidx[1] = -1  # request 1: extra cache all invalid -> contributes nothing
+    lengths = torch.tensor([10, 4, 0], dtype=torch.int32)
+    elengths = torch.tensor([6, 6, 3], dtype=torch.int32)
+    sink = torch.randn(h, generator=gen)
+    res = sparse_mla_decode_ref(q, kv, idx, 0.05, attn_sink=sink, topk_length=lengths,
+                                extra_kv=extra, extra_indices=eidx, extra_topk_length=elengths)
+    for r in range(b):
+        # The union as one prefill problem over a concatenated cache.
+        cat_kv = torch.cat([kv[r], extra[r]])
+        main = torch.where((idx[r] >= 0) & (idx[r] < w) & (torch.arange(10) < lengths[r]), idx[r], -1)
+        ext = torch.where((eidx[r] >= 0) & (eidx[r] < e) & (torch.arange(6) < elengths[r]), eidx[r] + w, -1)
+        expected = brute_force(q[r], cat_kv, torch.cat([main, ext], dim=1), 0.05, 512, sink=sink)
+        torch.testing.assert_close(res.out[r].double(), expected[0], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(res.lse[r].double(), expected[2], atol=2e-5, rtol=1e-6)
+    only_main = sparse_mla_decode_ref(q[1:2], kv[1:2], idx[1:2], 0.05, attn_sink=sink, topk_length=lengths[1:2])
+    torch.testing.assert_close(res.out[1], only_main.out[0])
+
+
+@pytest.mark.parametrize("case,exc,name", [
+    (dict(q=torch.zeros(2, 64, 512, dtype=torch.int32)), TypeError, "q"),
+    (dict(kv=torch.zeros(10, 2, 512).bfloat16()), ValueError, "kv"),
+    (dict(kv=torch.zeros(10, 1, 256).bfloat16()), ValueError, "kv"),
+    (dict(indices=torch.zeros(2, 4, dtype=torch.int64)), TypeError, "indices"),
+    (dict(indices=torch.zeros(3, 4, dtype=torch.int32)), ValueError, "indices"),
+    (dict(indices=torch.zeros(2, 2, 4, dtype=torch.int32)), ValueError, "indices"),
+    (dict(attn_sink=torch.zeros(32)), ValueError, "attn_sink"),
+    (dict(attn_sink=torch.zeros(64, dtype=torch.float64)), TypeError, "attn_sink"),
+    (dict(topk_length=torch.zeros(3, dtype=torch.int32)), ValueError, "topk_length"),
+    (dict(topk_length=torch.zeros(2, dtype=torch.int64)), TypeError, "topk_length"),
+    (dict(sm_scale=-1.0), ValueError, "sm_scale"),
+    (dict(sm_scale="0.1"), TypeError, "sm_scale"),
+    (dict(q="not a tensor"), TypeError, "q"),
+])
+def test_bad_input_names_the_argument(case, exc, name):
+    args = dict(q=torch.zeros(2, 64, 512).bfloat16(), kv=torch.zeros(10, 1, 512).bfloat16(),
+                indices=torch.zeros(2, 4, dtype=torch.int32), sm_scale=0.1, attn_sink=None, topk_length=None)
+    args.update(case)
+    with pytest.raises(exc, match=rf"^{name}\b"):
+        sparse_mla_prefill_ref(**args)
+
+
+@pytest.mark.gpu
+def test_device_mismatch_is_reported():
+    with pytest.raises(ValueError, match="^kv"):
+        sparse_mla_prefill_ref(torch.zeros(2, 64, 512).bfloat16(), torch.zeros(10, 1, 512).bfloat16().cuda(),
+                               torch.zeros(2, 4, dtype=torch.int32), 0.1)
