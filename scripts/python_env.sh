@@ -3,9 +3,9 @@
 #    node), use it with the repository on PYTHONPATH: nothing is installed.
 #  - Otherwise (a fresh CPU machine) create .venv once and install the CPU build of torch explicitly
 #    (an unpinned torch would resolve to a multi-GB CUDA build), then the project with the extras
-#    given as the first argument (default "hf,test").
+#    given as the first argument (default "hf,interpreter").
 _repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-_extras="${1:-hf,test}"
+_extras="${1:-hf,interpreter}"
 if python3 -c "import torch, triton, transformers, safetensors" >/dev/null 2>&1; then
     PYTHON=python3
     export PYTHONPATH="$_repo_root${PYTHONPATH:+:$PYTHONPATH}"

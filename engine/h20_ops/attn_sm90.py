@@ -1,0 +1,350 @@
+"""The engine's attention entry points: packed varlen sparse prefill and batched sparse decode.
+
+Both get their kernel only from the dispatcher (engine.h20_ops.sparse_mla.sparse_mla_fwd: one
+operator, out in q's dtype, lse in BASE 2) and launch it exactly once per call.
+
+Decode adapter. The kernel has no batch axis and takes absolute rows of one kv tensor; each request
+has its own window [W rows] (and, for DeepSeek-V4 compressed layers, an extra window [E rows] of
+compressed entries, attended in the SAME softmax). Request b's rows become rows b*R .. b*R + W (+E)
+of one [rows, 1, D] strided view of the caller's buffer, R = the buffer's per-request row stride:
+  - one cache: kv_windows viewed in place (no copy) when its request stride is a whole number of
+    rows, e.g. a [B, W, 1, D] tensor or buf[:, :W] of a [B, W+E, 1, D] buffer;
+  - two caches: no copy when extra_kv_windows starts right after the window inside the same buffer
+    (the engine's layout: kv_windows = buf[:, :W], extra_kv_windows = buf[:, W:]); otherwise the two
+    are concatenated once into a new [B, W+E, 1, D] tensor (a documented copy).
+Each query gets one index list: its main entries, then its extra entries, shifted to absolute rows
+by one Triton launch (_build_rows_kernel). An entry is valid iff 0 <= idx < W (E for extra) and its
+position < topk_length[b] (extra_topk_length[b]); every other entry becomes -1 BEFORE shifting, so
+an invalid value can never land on another request's row. The kernel therefore needs no topk_length.
+
+Flash-decoding split: when B * s_q * ceil(H / 64) programs fill at most half of the SMs, each
+query's index list is cut into S chunks that run as S x more query rows of the same single launch
+(q rows repeated: a stride-0 view when B * s_q == 1, else one small copy). One Triton launch
+(_merge_splits_kernel) merges the partial (out, lse base 2) by lse and applies the sink once
+(_apply_sink); without a split the kernel applies the sink.
+Launches per decode call: build rows, attention (+ q copy and merge with a split).
+
+Numerics: the attention kernel's (bf16 operands, fp32 accumulation); merge and sink in fp32.
+Deliberate deviation from FlashMLA's split-KV: the partial outputs come back from the dispatcher in
+q's dtype (bf16), so a split result carries one more bf16 rounding of each partial
+(|err| <= 2^-9 * sum_i w_i |o_i|); the tests bound it exactly so.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.h20_ops import sparse_mla
+from engine.h20_ops.checks import require_same_device, require_scale, require_tensor
+
+D_V = 512
+HEADS_PER_PROGRAM = 64  # the kernels' head tile
+SPLIT_GRANULE = 64  # minimum entries per split chunk: the kernels gather top-k entries in blocks of 64
+DEFAULT_SM_COUNT = 132  # H100/H200; the device's count is used when q is on CUDA
+_Q_DTYPES = (torch.bfloat16, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill
+# ---------------------------------------------------------------------------------------------
+
+def prefill_attn_varlen_sparse(query, kv_a_with_mqa, index_topk, softmax_scale, attn_sink=None,
+                               index_length=None):
+    """Packed varlen sparse prefill. query [total_q, H, D]; kv_a_with_mqa [total_k, 1, D];
+    index_topk [total_q, topk] int32, absolute rows of kv_a_with_mqa; attn_sink [H] fp32 | None;
+    index_length [total_q] int32 | None. Returns out [total_q, H, 512] in query's dtype."""
+    require_tensor("query", query, dtypes=_Q_DTYPES, ndim=3)
+    require_tensor("kv_a_with_mqa", kv_a_with_mqa, dtypes=(query.dtype,), ndim=3)
+    require_tensor("index_topk", index_topk, dtypes=(torch.int32,), ndim=2)
+    require_same_device("query", query, kv_a_with_mqa=kv_a_with_mqa, index_topk=index_topk,
+                        attn_sink=attn_sink, index_length=index_length)
+    softmax_scale = require_scale("softmax_scale", softmax_scale)
+    total_q, heads, d = query.shape
+    if kv_a_with_mqa.size(1) != 1 or kv_a_with_mqa.size(2) != d:
+        raise ValueError(f"kv_a_with_mqa: expected shape [total_k, 1, {d}], got {tuple(kv_a_with_mqa.shape)}")
+    if index_topk.size(0) != total_q:
+        raise ValueError(f"index_topk: expected {total_q} rows (one per query token), got {tuple(index_topk.shape)}")
+    _check_sink(attn_sink, heads)
+    if index_length is not None:
+        require_tensor("index_length", index_length, dtypes=(torch.int32,), ndim=1)
+        if index_length.size(0) != total_q:
+            raise ValueError(f"index_length: expected shape [{total_q}], got {tuple(index_length.shape)}")
+    # The indices carry causality (the indexer only selects positions a query may see), so the
+    # kernel runs non-causal: bounding by row index instead would mask valid rows of a packed batch
+    # and collapse layers to NaN.
+    out, _lse = sparse_mla.sparse_mla_fwd(query, kv_a_with_mqa, index_topk, softmax_scale, d_v=D_V,
+                                          attn_sink=attn_sink, topk_length=index_length)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# decode
+# ---------------------------------------------------------------------------------------------
+
+def decode_attn_sparse(q, kv_windows, indices, softmax_scale, *, attn_sink=None, topk_length=None,
+                       extra_kv_windows=None, extra_indices=None, extra_topk_length=None,
+                       num_splits: int | None = None):
+    """Batched sparse decode over per-request windows (and an optional extra cache), one launch.
+
+    q [B, s_q, H, D]; kv_windows [B, W, 1, D]; indices [B, s_q, topk] int32, window-local;
+    attn_sink [H] fp32; topk_length [B] int32; extra_kv_windows [B, E, 1, D] with extra_indices
+    [B, s_q, etopk] and extra_topk_length [B]. num_splits: chunks per query's index list
+    (None: chosen from the batch size vs the SM count; 1: no split).
+    Returns (out [B, s_q, H, 512] in q's dtype, lse [B, s_q, H] fp32 base 2; +inf for empty rows).
+    """
+    softmax_scale = require_scale("softmax_scale", softmax_scale)
+    _check_decode_args(q, kv_windows, indices, attn_sink, topk_length, extra_kv_windows, extra_indices,
+                       extra_topk_length)
+    batch, s_q, heads, d = q.shape
+    kv_rows, request_stride = _flat_kv_rows(kv_windows, extra_kv_windows)
+    n = batch * s_q
+    list_len = indices.size(2) + (0 if extra_indices is None else extra_indices.size(2))
+    splits = _choose_splits(n, heads, list_len, q.device) if num_splits is None else _check_splits(num_splits)
+    chunk = -(-list_len // splits)
+    rows = _build_rows(indices, topk_length, kv_windows.size(1), extra_indices, extra_topk_length,
+                       None if extra_kv_windows is None else extra_kv_windows.size(1), request_stride,
+                       splits * chunk)  # [n, splits * chunk]
+    q_rows = q.flatten(0, 1)  # [n, H, D]; a view whenever q's strides allow
+    if splits == 1:
+        out, lse = sparse_mla.sparse_mla_fwd(q_rows, kv_rows, rows, softmax_scale, d_v=D_V, attn_sink=attn_sink)
+    else:
+        # chunk c of query i is kernel row i * splits + c
+        if n == 1:
+            q_split = q_rows.expand(splits, heads, d)  # stride-0 leading dim: no copy
+        else:
+            q_split = q_rows.repeat_interleave(splits, dim=0)
+        out_parts, lse_parts = sparse_mla.sparse_mla_fwd(q_split, kv_rows, rows.view(n * splits, chunk),
+                                                         softmax_scale, d_v=D_V)
+        out, lse = _merge_splits(out_parts, lse_parts, splits, attn_sink)
+    return out.view(batch, s_q, heads, D_V), lse.view(batch, s_q, heads)
+
+
+def _check_sink(attn_sink, heads: int) -> None:
+    if attn_sink is not None:
+        require_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), ndim=1)
+        if attn_sink.size(0) != heads:
+            raise ValueError(f"attn_sink: expected shape [{heads}] (q's heads), got {tuple(attn_sink.shape)}")
+
+
+def _check_cache_args(kv_name, kv, idx_name, idx, len_name, lengths, q) -> None:
+    batch, s_q, _, d = q.shape
+    require_tensor(kv_name, kv, dtypes=(q.dtype,), ndim=4)
+    require_tensor(idx_name, idx, dtypes=(torch.int32,), ndim=3)
+    require_same_device("q", q, **{kv_name: kv, idx_name: idx, len_name: lengths})
+    if kv.size(0) != batch or kv.size(1) < 1 or kv.size(2) != 1 or kv.size(3) != d:
+        raise ValueError(f"{kv_name}: expected shape [{batch}, rows>=1, 1, {d}], got {tuple(kv.shape)}")
+    if kv.stride(3) != 1:
+        raise ValueError(f"{kv_name}: the last dim must be contiguous, got strides {kv.stride()}")
+    if idx.size(0) != batch or idx.size(1) != s_q or idx.size(2) < 1:
+        raise ValueError(f"{idx_name}: expected shape [{batch}, {s_q}, topk>=1], got {tuple(idx.shape)}")
+    if lengths is not None:
+        require_tensor(len_name, lengths, dtypes=(torch.int32,), ndim=1)
+        if lengths.size(0) != batch:
+            raise ValueError(f"{len_name}: expected shape [{batch}] (one per request), got {tuple(lengths.shape)}")
+
+
+def _check_decode_args(q, kv_windows, indices, attn_sink, topk_length, extra_kv_windows, extra_indices,
+                       extra_topk_length) -> None:
+    require_tensor("q", q, dtypes=_Q_DTYPES, ndim=4)
+    if q.size(0) < 1 or q.size(1) < 1:
+        raise ValueError(f"q: expected at least one request and one query token, got shape {tuple(q.shape)}")
+    _check_cache_args("kv_windows", kv_windows, "indices", indices, "topk_length", topk_length, q)
+    if (extra_kv_windows is None) != (extra_indices is None):
+        raise ValueError("extra_kv_windows and extra_indices: pass both or neither")
+    if extra_topk_length is not None and extra_kv_windows is None:
+        raise ValueError("extra_topk_length: given without extra_kv_windows / extra_indices")
+    if extra_kv_windows is not None:
+        _check_cache_args("extra_kv_windows", extra_kv_windows, "extra_indices", extra_indices,
+                          "extra_topk_length", extra_topk_length, q)
+    require_same_device("q", q, attn_sink=attn_sink)
+    _check_sink(attn_sink, q.size(2))
+
+
+def _check_splits(num_splits) -> int:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits: expected an int or None, got {type(num_splits).__name__}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
+    return num_splits
+
+
+def _rows_view(base: torch.Tensor, request_stride: int, rows_per_request: int) -> torch.Tensor:
+    """[B*stride - (stride - rows_per_request), 1, D] view over base's storage, no copy."""
+    total = (base.size(0) - 1) * request_stride + rows_per_request
+    return torch.as_strided(base, (total, 1, base.size(3)), (base.stride(1), base.stride(2), 1))
+
+
+def _request_stride_rows(kv: torch.Tensor, rows_needed: int) -> int | None:
+    """kv's per-request stride in rows, when rows are evenly spaced across requests, else None."""
+    if kv.size(0) == 1:
+        return rows_needed
+    row, request = kv.stride(1), kv.stride(0)
+    if row < kv.size(3) or request % row != 0 or request // row < rows_needed:
+        return None
+    return request // row
+
+
+def _flat_kv_rows(kv_windows: torch.Tensor, extra_kv_windows: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """All requests' rows as one [rows, 1, D] tensor and the per-request row stride R
+    (request b's window at rows b*R.., its extra rows at b*R + W..)."""
+    width = kv_windows.size(1)
+    if extra_kv_windows is None:
+        stride = _request_stride_rows(kv_windows, width)
+        if stride is None:  # rows not evenly spaced: one copy into a dense [B, W, 1, D]
+            kv_windows, stride = kv_windows.contiguous(), width
+        return _rows_view(kv_windows, stride, width), stride
+    rows = width + extra_kv_windows.size(1)
+    if _extra_follows_window(kv_windows, extra_kv_windows):
+        stride = _request_stride_rows(kv_windows, rows)
+        if stride is not None:
+            return _rows_view(kv_windows, stride, rows), stride
+    # The caches live in separate buffers: concatenate once (a copy of both windows).
+    return _rows_view(torch.cat([kv_windows, extra_kv_windows], dim=1), rows, rows), rows
+
+
+def _extra_follows_window(kv: torch.Tensor, extra: torch.Tensor) -> bool:
+    """extra is the rows right after kv's window in the same buffer, with the same strides."""
+    if kv.untyped_storage().data_ptr() != extra.untyped_storage().data_ptr():
+        return False
+    if kv.stride(0) != extra.stride(0) or kv.stride(1) != extra.stride(1):
+        return False
+    return extra.data_ptr() == kv.data_ptr() + kv.size(1) * kv.stride(1) * kv.element_size()
+
+
+@triton.jit
+def _append_entries(out_row, first, local_row, k, length_ptr, b, limit, base,
+                    HAS_LENGTH: tl.constexpr, BLOCK: tl.constexpr):
+    """out_row[first + j] = base + local_row[j] if entry j is valid, else -1 (j < k)."""
+    if HAS_LENGTH:
+        length = tl.load(length_ptr + b)
+    for start in range(0, k, BLOCK):
+        pos = start + tl.arange(0, BLOCK)
+        in_list = pos < k
+        idx = tl.load(local_row + pos, mask=in_list, other=-1)
+        valid = (idx >= 0) & (idx < limit)
+        if HAS_LENGTH:
+            valid = valid & (pos < length)
+        # invalid -> -1 BEFORE the shift: no filler can become another request's row
+        tl.store(out_row + first + pos, tl.where(valid, idx.to(tl.int64) + base, -1).to(tl.int32), mask=in_list)
+
+
+@triton.jit
+def _build_rows_kernel(out_ptr, out_len, s_q, request_stride,
+                       idx_ptr, idx_stride_b, idx_stride_s, topk, len_ptr, width,
+                       eidx_ptr, eidx_stride_b, eidx_stride_s, etopk, elen_ptr, extra,
+                       HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_ELEN: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    b = row // s_q
+    s = row % s_q
+    out_row = out_ptr + row.to(tl.int64) * out_len
+    base = b.to(tl.int64) * request_stride
+    _append_entries(out_row, 0, idx_ptr + b.to(tl.int64) * idx_stride_b + s * idx_stride_s, topk, len_ptr, b,
+                    width, base, HAS_LEN, BLOCK)
+    used = topk
+    if HAS_EXTRA:
+        _append_entries(out_row, topk, eidx_ptr + b.to(tl.int64) * eidx_stride_b + s * eidx_stride_s, etopk,
+                        elen_ptr, b, extra, base + width, HAS_ELEN, BLOCK)
+        used = topk + etopk
+    for start in range(used, out_len, BLOCK):  # padding up to splits * chunk
+        pos = start + tl.arange(0, BLOCK)
+        tl.store(out_row + pos, tl.full([BLOCK], -1, tl.int32), mask=pos < out_len)
+
+
+def _build_rows(indices, topk_length, width, extra_indices, extra_topk_length, extra, request_stride, out_len):
+    """One launch: per query, [main entries | extra entries | -1 padding] as absolute kv rows, int32."""
+    batch, s_q, topk = indices.shape
+    # the kernel reads index rows and lengths with unit stride (a copy only for exotic strides)
+    indices, extra_indices, topk_length, extra_topk_length = (
+        None if t is None else (t if t.stride(-1) == 1 else t.contiguous())
+        for t in (indices, extra_indices, topk_length, extra_topk_length))
+    if (batch - 1) * request_stride + width + (extra or 0) > torch.iinfo(torch.int32).max:
+        raise ValueError(f"kv_windows: {batch} requests x {request_stride} rows exceed int32 row indices")
+    out = torch.empty((batch * s_q, out_len), dtype=torch.int32, device=indices.device)
+    has_extra = extra_indices is not None
+    eidx = extra_indices if has_extra else indices
+    _build_rows_kernel[(batch * s_q,)](
+        out, out_len, s_q, request_stride,
+        indices, indices.stride(0), indices.stride(1), topk, indices if topk_length is None else topk_length, width,
+        eidx, eidx.stride(0), eidx.stride(1), eidx.size(2),
+        indices if extra_topk_length is None else extra_topk_length, extra or 0,
+        HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra, HAS_ELEN=extra_topk_length is not None,
+        BLOCK=256, num_warps=4)
+    return out
+
+
+def _choose_splits(n_rows: int, heads: int, list_len: int, device: torch.device) -> int:
+    """Split only when the launch fills at most half of the SMs; chunks of >= SPLIT_GRANULE entries."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SM_COUNT
+    programs = n_rows * -(-heads // HEADS_PER_PROGRAM)
+    if 2 * programs > sms:
+        return 1
+    return max(1, min(sms // programs, -(-list_len // SPLIT_GRANULE)))
+
+
+@triton.jit
+def _apply_sink(out, lse_base2, sink):
+    """out [BLOCK_H, D] * exp(lse) / (exp(lse) + exp(sink)), lse in base 2, in the sigmoid form
+    sigmoid(lse * ln2 - sink) evaluated through exp(-|z|) <= 1: no overflow for |lse|, |sink| up to
+    1e4 and beyond; sink -inf -> factor 1, +inf -> 0; empty rows (lse +inf) keep factor 1 (out is 0)."""
+    empty = lse_base2 == float("inf")
+    z = tl.where(empty, 0.0, lse_base2) * 0.6931471805599453 - sink
+    small = tl.exp(-tl.abs(z))
+    factor = tl.where(z >= 0, 1.0 / (1.0 + small), small / (1.0 + small))
+    factor = tl.where(empty, 1.0, factor)
+    return out * factor[:, None]
+
+
+@triton.jit
+def _merge_splits_kernel(parts_ptr, parts_stride_row, parts_stride_h, lse_parts_ptr, lse_parts_stride_row,
+                         lse_parts_stride_h, sink_ptr, out_ptr, lse_ptr, splits, heads,
+                         HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, DV: tl.constexpr):
+    row = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_heads = h < heads
+    cols = tl.arange(0, DV)
+    first = row.to(tl.int64) * splits
+    top = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for c in range(0, splits):
+        part_lse = tl.load(lse_parts_ptr + (first + c) * lse_parts_stride_row + h * lse_parts_stride_h,
+                           mask=in_heads, other=float("inf"))
+        top = tl.maximum(top, tl.where(part_lse == float("inf"), float("-inf"), part_lse))  # empty chunk: -inf
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, DV], tl.float32)
+    for c in range(0, splits):
+        part_lse = tl.load(lse_parts_ptr + (first + c) * lse_parts_stride_row + h * lse_parts_stride_h,
+                           mask=in_heads, other=float("inf"))
+        weight = tl.exp2(tl.where(part_lse == float("inf"), float("-inf"), part_lse) - top)
+        part = tl.load(parts_ptr + (first + c) * parts_stride_row + h[:, None] * parts_stride_h + cols[None, :],
+                       mask=in_heads[:, None], other=0.0).to(tl.float32)
+        total += weight
+        acc += weight[:, None] * part
+    lse = tl.where(total > 0, tl.log2(tl.where(total > 0, total, 1.0)) + top, float("inf"))
+    acc = acc / tl.where(total > 0, total, 1.0)[:, None]
+    if HAS_SINK:
+        acc = _apply_sink(acc, lse, tl.load(sink_ptr + h, mask=in_heads, other=0.0))
+    tl.store(out_ptr + (row.to(tl.int64) * heads + h[:, None]) * DV + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=in_heads[:, None])
+    tl.store(lse_ptr + row.to(tl.int64) * heads + h, lse, mask=in_heads)
+
+
+def _merge_splits(out_parts: torch.Tensor, lse_parts: torch.Tensor, splits: int, attn_sink: torch.Tensor | None):
+    """out_parts [n*S, H, Dv] (chunk c of query i at row i*S + c), lse_parts [n*S, H] base 2 (+inf:
+    empty chunk) -> (out [n, H, Dv] in out_parts' dtype, lse [n, H] base 2), merged by lse in fp32,
+    the sink applied once. One launch."""
+    rows, heads, d_v = out_parts.shape
+    if d_v & (d_v - 1) or out_parts.stride(2) != 1:
+        raise ValueError(f"out_parts: expected a contiguous power-of-two last dim, got shape "
+                         f"{tuple(out_parts.shape)} strides {out_parts.stride()}")
+    n = rows // splits
+    out = torch.empty((n, heads, d_v), dtype=out_parts.dtype, device=out_parts.device)
+    lse = torch.empty((n, heads), dtype=torch.float32, device=out_parts.device)
+    block_h = 8
+    _merge_splits_kernel[(n, triton.cdiv(heads, block_h))](
+        out_parts, out_parts.stride(0), out_parts.stride(1), lse_parts, lse_parts.stride(0), lse_parts.stride(1),
+        lse_parts if attn_sink is None else attn_sink, out, lse, splits, heads,
+        HAS_SINK=attn_sink is not None, BLOCK_H=block_h, DV=d_v, num_warps=4)
+    return out, lse

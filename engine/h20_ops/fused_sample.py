@@ -1,0 +1,161 @@
+"""fused_sample: token selection from logits on one Philox stream, TileLang or Triton.
+
+Ops (one kernel launch per batch each):
+- greedy_sample(logits [N, V]) -> tokens [N] int64 (first index of the maximum).
+- sample(logits [N, V], seeds, positions, temperature, top_k, top_p, draw=DRAW_SAMPLE) -> tokens [N]
+  int64: temperature + top-k + top-p sampling; temperature <= 0 means greedy for that row. The
+  drafter of speculative decoding passes draw=DRAW_DRAFT so that its draws are independent of the
+  verifier's.
+- rejection_sample(target_logits [N, K+1, V], draft_logits [N, K, V], draft_tokens [N, K], seeds,
+  positions, temperature, top_k, top_p) -> (tokens [N, K+1] int64, -1 after the last emitted one;
+  accepted [N] int64): chain speculative verification; draft j is proposed for positions + j.
+Per-request tensors [N]: seeds int64 (the Philox key), positions int64 (position of the first token
+to emit), temperature fp32, top_k int32/int64 (<= 0 or >= V: off), top_p fp32 (>= 1: off).
+Semantics, the random-stream mapping and the test thresholds: docs/sampling.md.
+
+Backends: `tilelang` (engine.h20_ops.fused_sample_sm90), `triton`
+(engine.h20_ops.fused_sample_triton) and `ref` (engine.h20_ops.fused_sample_ref, numpy on the CPU);
+all consume the same stream and agree token for token. Unset `backend` resolves once per process
+like the sparse MLA dispatcher: tilelang if its kernel module imports (only ModuleNotFoundError
+counts as missing), else triton; DEEPINFER_SIMULATE_NO_TILELANG=1 blocks TileLang first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import threading
+
+import torch
+
+from engine import config
+from engine.h20_ops.checks import require_last_dim_contiguous, require_same_device, require_tensor
+from engine.h20_ops.fused_sample_ref import DRAW_DRAFT, DRAW_SAMPLE, sampling_scale
+from engine.h20_ops.sparse_mla import Resolution, install_tilelang_block
+
+TILELANG_KERNEL_MODULE = "engine.h20_ops.fused_sample_sm90"
+BACKENDS = ("ref", "triton", "tilelang")
+LOGIT_DTYPES = (torch.float32, torch.bfloat16)
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_resolution: Resolution | None = None
+
+
+def _import_tilelang_kernels():
+    return importlib.import_module(TILELANG_KERNEL_MODULE)
+
+
+def _resolve() -> Resolution:
+    if config.simulate_no_tilelang():
+        install_tilelang_block()
+        sys.modules.pop(TILELANG_KERNEL_MODULE, None)  # an earlier import must not survive the block
+    try:
+        _import_tilelang_kernels()
+    except ModuleNotFoundError as exc:
+        return Resolution("triton", f"auto: TileLang missing ({exc})", str(exc))
+    return Resolution("tilelang", "auto: TileLang kernel module imported", None)
+
+
+def backend_resolution() -> Resolution:
+    """The process's fused_sample resolution (computed and logged once)."""
+    global _resolution
+    with _lock:
+        if _resolution is None:
+            _resolution = _resolve()
+            log.warning("fused_sample backend: %s (%s)", _resolution.backend, _resolution.reason)
+        return _resolution
+
+
+def resolve_backend() -> str:
+    return backend_resolution().backend
+
+
+def reset_resolution_for_tests() -> None:
+    global _resolution
+    with _lock:
+        _resolution = None
+
+
+def _implementation(backend: str | None):
+    if backend is None:
+        backend = resolve_backend()
+    elif backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)} or None, got {backend!r}")
+    if backend == "ref":
+        from engine.h20_ops import fused_sample_ref as impl
+    elif backend == "triton":
+        from engine.h20_ops import fused_sample_triton as impl
+    else:
+        impl = _import_tilelang_kernels()
+    return impl
+
+
+def _check_logits(name: str, logits, ndim: int) -> None:
+    require_tensor(name, logits, dtypes=LOGIT_DTYPES, ndim=ndim)
+    require_last_dim_contiguous(name, logits)
+    if logits.size(-1) < 1:
+        raise ValueError(f"{name}: expected a vocabulary of at least 1 entry, got shape {tuple(logits.shape)}")
+    if logits.size(-1) >= 2**31:
+        raise ValueError(f"{name}: expected a vocabulary below 2^31 entries, got {logits.size(-1)}")
+
+
+def _check_request(name: str, t, n: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    require_tensor(name, t, dtypes=dtypes, ndim=1)
+    if t.size(0) != n:
+        raise ValueError(f"{name}: expected shape [{n}] (one entry per request), got {tuple(t.shape)}")
+
+
+def _request_tensors(ref_name, ref, seeds, positions, temperature, top_k, top_p):
+    """Validate the per-request tensors; returns them contiguous in the kernels' dtypes."""
+    n = ref.size(0)
+    _check_request("seeds", seeds, n, (torch.int64,))
+    _check_request("positions", positions, n, (torch.int64,))
+    _check_request("temperature", temperature, n, (torch.float32,))
+    _check_request("top_k", top_k, n, (torch.int32, torch.int64))
+    _check_request("top_p", top_p, n, (torch.float32,))
+    require_same_device(ref_name, ref, seeds=seeds, positions=positions, temperature=temperature, top_k=top_k,
+                        top_p=top_p)
+    return (seeds.contiguous(), positions.contiguous(), sampling_scale(temperature).contiguous(),
+            top_k.to(torch.int64).contiguous(), top_p.contiguous())
+
+
+def greedy_sample(logits: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """First index of each row's maximum: tokens [N] int64."""
+    _check_logits("logits", logits, 2)
+    return _implementation(backend).greedy(logits)
+
+
+def sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor,
+           top_k: torch.Tensor, top_p: torch.Tensor, *, draw: int = DRAW_SAMPLE,
+           backend: str | None = None) -> torch.Tensor:
+    """Temperature + top-k + top-p sampling of one token per row: tokens [N] int64."""
+    _check_logits("logits", logits, 2)
+    if draw not in (DRAW_SAMPLE, DRAW_DRAFT):
+        raise ValueError(f"draw: expected DRAW_SAMPLE ({DRAW_SAMPLE}) or DRAW_DRAFT ({DRAW_DRAFT}), got {draw!r}")
+    args = _request_tensors("logits", logits, seeds, positions, temperature, top_k, top_p)
+    return _implementation(backend).sample(logits, *args, draw)
+
+
+def rejection_sample(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens: torch.Tensor,
+                     seeds: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor, *, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chain speculative rejection sampling of K drafts: (tokens [N, K+1] int64, accepted [N] int64)."""
+    _check_logits("target_logits", target_logits, 3)
+    _check_logits("draft_logits", draft_logits, 3)
+    n, k1, v = target_logits.shape
+    if k1 < 2:
+        raise ValueError(f"target_logits: expected K+1 >= 2 rows per request, got shape {tuple(target_logits.shape)}")
+    if draft_logits.dtype != target_logits.dtype:
+        raise TypeError(f"draft_logits: expected dtype {target_logits.dtype} (target_logits'), got {draft_logits.dtype}")
+    if tuple(draft_logits.shape) != (n, k1 - 1, v):
+        raise ValueError(f"draft_logits: expected shape {(n, k1 - 1, v)}, got {tuple(draft_logits.shape)}")
+    require_tensor("draft_tokens", draft_tokens, dtypes=(torch.int32, torch.int64), ndim=2)
+    if tuple(draft_tokens.shape) != (n, k1 - 1):
+        raise ValueError(f"draft_tokens: expected shape {(n, k1 - 1)}, got {tuple(draft_tokens.shape)}")
+    require_same_device("target_logits", target_logits, draft_logits=draft_logits, draft_tokens=draft_tokens)
+    args = _request_tensors("target_logits", target_logits, seeds, positions, temperature, top_k, top_p)
+    return _implementation(backend).rejection_sample(target_logits, draft_logits,
+                                                     draft_tokens.to(torch.int64).contiguous(), *args)

@@ -1,0 +1,175 @@
+"""The engine's KV state: paged row stores shared by all requests, and per-request compressor state.
+
+A PagedRows store holds one kind of row for a set of layers in fixed-size pages (a slot is
+`page * page_size + offset`, FlashMLA's flat slot id). Each request owns a page table mapping its
+logical pages (row // page_size) to physical pages. The engine keeps four stores:
+  window      every layer's K=V rows of the sliding window; pages that fall entirely out of the
+              window are released as decoding advances, so a request holds at most
+              (W - 1) // page_size + 2 pages;
+  csa / hca   compressed entries of the ratio-4 / ratio-128 layers (one entry per `ratio` tokens);
+  indexer     the lightning indexer's compressed keys of the ratio-4 layers (index_head_dim wide).
+Row storage: "auto" keeps rows in the model dtype; "fp8" stores window and compressed rows in
+DeepSeek-V4's MODEL1 fp8 layout (engine.h20_ops.kv_quant: 584 B/token per page block, NoPE e4m3
+with power-of-two scales, RoPE bf16) and dequantizes on read. Indexer keys stay in the model dtype
+(transformers' reference model scores unquantized keys).
+
+Capacity is reserved per request at admission (its worst case over its lifetime), so a running
+request never runs out of pages; pages are handed out on demand inside that reservation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine import ops
+from engine.h20_ops import kv_quant
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+class CacheCapacityError(RuntimeError):
+    """More rows requested than the request's reservation or the store holds."""
+
+
+class PagedRows:
+    """Rows of width `row_dim` for `num_layers` layers in `num_pages` pages of `page_size` rows."""
+
+    def __init__(self, name: str, *, num_layers: int, num_pages: int, page_size: int, row_dim: int,
+                 dtype: torch.dtype, device, fp8: bool):
+        self.name = name
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.row_dim = row_dim
+        self.dtype = dtype  # rows are returned in this dtype
+        self.fp8 = fp8
+        if fp8:
+            self.layers = [kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, num_pages, page_size, device)
+                           for _ in range(num_layers)]
+        else:
+            # Never-written slots are never read (invalid attention entries are not dereferenced).
+            self.layers = [torch.empty((num_pages * page_size, row_dim), dtype=dtype, device=device)
+                           for _ in range(num_layers)]
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._tables: dict[str, list[int]] = {}  # logical page -> physical page (-1: released)
+        self._reserved: dict[str, int] = {}  # pages a request may still take
+        self.reserved_total = 0
+
+    # --- capacity -------------------------------------------------------------------------
+    def pages_for_rows(self, n_rows: int) -> int:
+        return -(-n_rows // self.page_size)
+
+    def available(self) -> int:
+        """Pages neither held nor promised to a running request."""
+        return len(self._free) - self.reserved_total
+
+    def admit(self, rid: str, max_pages: int) -> None:
+        if rid in self._tables:
+            raise ValueError(f"rid: request {rid!r} already holds pages in the {self.name} store")
+        if max_pages > self.available():
+            raise CacheCapacityError(f"{self.name}: request {rid!r} needs {max_pages} pages, "
+                                     f"{self.available()} available")
+        self._tables[rid] = []
+        self._reserved[rid] = max_pages
+        self.reserved_total += max_pages
+
+    def drop(self, rid: str) -> None:
+        table = self._tables.pop(rid)
+        self._free.extend(p for p in table if p >= 0)
+        self.reserved_total -= self._reserved.pop(rid)
+
+    def release_rows_before(self, rid: str, row: int) -> None:
+        """Give back the pages whose rows all lie before `row` (rows that left the window)."""
+        table = self._tables[rid]
+        for logical in range(min(row // self.page_size, len(table))):
+            if table[logical] >= 0:
+                self._free.append(table[logical])
+                table[logical] = -1
+
+    def _ensure(self, rid: str, first_row: int, end_row: int) -> None:
+        """Back rows first_row .. end_row - 1 with pages (earlier logical pages are not allocated:
+        prefill keeps only the tail of a long prompt in the window store)."""
+        table = self._tables[rid]
+        for logical in range(first_row // self.page_size, -(-end_row // self.page_size)):
+            while len(table) <= logical:
+                table.append(-1)
+            if table[logical] >= 0:
+                continue
+            if self._reserved[rid] == 0:
+                raise CacheCapacityError(f"{self.name}: request {rid!r} exceeded its page reservation")
+            self._reserved[rid] -= 1
+            self.reserved_total -= 1
+            table[logical] = self._free.pop()
+
+    # --- rows ---------------------------------------------------------------------------
+    def slots(self, rid: str, rows: torch.Tensor) -> torch.Tensor:
+        """Flat slot ids of the request's rows (int64 tensor, any shape; rows must be held)."""
+        table = torch.tensor(self._tables[rid], dtype=torch.int64)
+        rows_cpu = rows.to("cpu", torch.int64)
+        pages = table[rows_cpu // self.page_size]
+        if bool((pages < 0).any()):
+            raise CacheCapacityError(f"{self.name}: request {rid!r} reads a released row")
+        return (pages * self.page_size + rows_cpu % self.page_size).to(self.layers[0].device)
+
+    def write(self, layer: int, rid: str, first_row: int, values: torch.Tensor) -> None:
+        """Store values [n, row_dim] as the request's rows first_row .. first_row + n - 1."""
+        n = values.size(0)
+        if n == 0:
+            return
+        self._ensure(rid, first_row, first_row + n)
+        slots = self.slots(rid, torch.arange(first_row, first_row + n))
+        if self.fp8:
+            ops.kv_quantize(self.layers[layer], slots, values.reshape(n, 1, self.row_dim).contiguous())
+        else:
+            self.layers[layer][slots] = values.to(self.dtype)
+
+    def gather(self, layer: int, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Rows at slots [B, W] (-1: empty, gives a zero row) into out [B, W, 1, row_dim]."""
+        if self.fp8:
+            return ops.kv_gather_dequant(self.layers[layer], slots, out)
+        valid = slots >= 0
+        rows = self.layers[layer][torch.where(valid, slots, torch.zeros_like(slots))]
+        out[:, :, 0, :] = torch.where(valid[..., None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+        return out
+
+    def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Rows at slots [n] as [n, row_dim] in the store's dtype."""
+        out = torch.empty((1, slots.numel(), 1, self.row_dim), dtype=self.dtype, device=self.layers[0].device)
+        return self.gather(layer, slots.reshape(1, -1), out)[0, :, 0, :]
+
+    def roundtrip(self, values: torch.Tensor) -> torch.Tensor:
+        """What reading values back after a write returns (fp8: quantized then dequantized), without
+        storing them: prefill attends to rows it does not keep (window rows already out of the
+        window of the prompt's last token)."""
+        if not self.fp8 or values.size(0) == 0:
+            return values.to(self.dtype)
+        n = values.size(0)
+        scratch = kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, -(-n // self.page_size), self.page_size, values.device)
+        slots = torch.arange(n, device=values.device)
+        ops.kv_quantize(scratch, slots, values.reshape(n, 1, self.row_dim).contiguous())
+        out = torch.empty((1, n, 1, self.row_dim), dtype=self.dtype, device=values.device)
+        return ops.kv_gather_dequant(scratch, slots.reshape(1, n), out)[0, :, 0, :]
+
+
+@dataclass
+class CompressorState:
+    """One request's running state of one compressor (or indexer) of one layer, as transformers'
+    DeepseekV4CSACache / DeepseekV4HCACache keep it: source tokens of the incomplete window, the
+    previous window's first-series slice (overlapping ratio-4 compressors only), entries so far."""
+
+    entries: int = 0
+    buffer_kv: torch.Tensor | None = None
+    buffer_gate: torch.Tensor | None = None
+    overlap_kv: torch.Tensor | None = None
+    overlap_gate: torch.Tensor | None = None
+
+
+@dataclass
+class RequestState:
+    rid: str
+    length: int = 0  # tokens whose KV is stored (positions 0 .. length - 1)
+    compressors: dict[tuple[int, str], CompressorState] = field(default_factory=dict)
+
+    def compressor(self, layer: int, name: str) -> CompressorState:
+        return self.compressors.setdefault((layer, name), CompressorState())

@@ -1,0 +1,292 @@
+"""Non-attention ops of the engine, each with a Triton and a plain-torch (`ref`) implementation.
+
+DEEPINFER_KERNELS (engine.config.kernels()) picks the implementation per call. When Triton is
+chosen but cannot run -- triton not importable, a tensor Triton cannot reach (CPU tensor without
+TRITON_INTERPRET=1), or a Triton compile/launch error -- the op raises OpUnavailableError under
+DEEPINFER_OPS_STRICT=1, otherwise it runs the ref implementation and the fallback is counted per
+op (fallback_counts()) and logged once per op and reason.
+
+Ops (each also named in fallback_counts()):
+  rms_norm(x, weight=None, eps) over the last dim. Numerics as DeepSeek-V4 in transformers: fp32
+    statistics; weighted: (weight * x_normed) in fp32, cast once; weightless: the ref multiplies
+    in x's dtype (as transformers' unweighted norm does), Triton in fp32 then casts (identical for
+    fp32 inputs, within one rounding for bf16).
+  rope(x, cos, sin, inverse=False): DeepSeek-V4's interleaved RoPE on the TRAILING 2 * cos.shape[-1]
+    dims of each row (pairs (2i, 2i+1) rotated by angle i), leading (NoPE) dims copied; fp32 math,
+    result in x's dtype. inverse=True rotates by the negated angle (transformers passes -sin), which
+    undoes the rotation carried by V = K on the attention output.
+  kv_quantize / kv_gather_dequant: the fp8 KV cache's write and read, from engine.h20_ops.kv_quant
+    (Triton kernels, ref = its torch reference; byte-identical by that module's contract).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import Counter
+
+import torch
+
+import engine.h20_ops  # noqa: F401  (sets TRITON_INTERPRET=1 on CPU-only machines before triton kernels are defined)
+from engine import config
+
+log = logging.getLogger(__name__)
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.errors import TritonError
+except ImportError as _exc:  # the ref implementations still work; triton calls count as unavailable
+    triton = None
+    _TRITON_IMPORT_ERROR = f"triton not importable ({_exc})"
+else:
+    _TRITON_IMPORT_ERROR = None
+
+
+class OpUnavailableError(RuntimeError):
+    """DEEPINFER_OPS_STRICT=1 and the chosen implementation of an op cannot run."""
+
+
+_lock = threading.Lock()
+_fallbacks: Counter[str] = Counter()
+_logged: set[tuple[str, str]] = set()
+
+
+def fallback_counts() -> dict[str, int]:
+    """op name -> number of calls served by ref because the chosen Triton implementation could not run."""
+    with _lock:
+        return dict(_fallbacks)
+
+
+def reset_fallback_counts() -> None:
+    with _lock:
+        _fallbacks.clear()
+        _logged.clear()
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _elements_per_program() -> int:
+    # The interpreter pays a fixed cost per program, so it gets few large programs; GPUs get
+    # register-sized tiles.
+    return 1 << 16 if _interpreted() else 1 << 12
+
+
+def _triton_unavailable_reason(*tensors: torch.Tensor) -> str | None:
+    if _TRITON_IMPORT_ERROR is not None:
+        return _TRITON_IMPORT_ERROR
+    if not _interpreted() and not all(t.is_cuda for t in tensors):
+        return "tensors are not on a CUDA device and TRITON_INTERPRET is not 1"
+    return None
+
+
+def _dispatch(op: str, triton_impl, ref_impl, tensors: tuple[torch.Tensor, ...], *args):
+    if config.kernels() == "ref":
+        return ref_impl(*args)
+    reason = _triton_unavailable_reason(*tensors)
+    if reason is None:
+        try:
+            return triton_impl(*args)
+        except (TritonError, RuntimeError) as exc:  # compile or launch failure
+            reason = f"triton {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if config.ops_strict():
+        raise OpUnavailableError(f"{op}: the triton implementation cannot run ({reason}) and DEEPINFER_OPS_STRICT=1")
+    with _lock:
+        _fallbacks[op] += 1
+        first = (op, reason) not in _logged
+        _logged.add((op, reason))
+    if first:
+        log.warning("%s: falling back to the torch reference (%s)", op, reason)
+    return ref_impl(*args)
+
+
+def _require_float_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+
+
+# ----------------------------------------------------------------------------------------------
+# rms_norm
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dim of x ([..., n]); weight [n] or None (weightless); same shape/dtype as x."""
+    _require_float_tensor("x", x)
+    if x.dim() < 1 or x.size(-1) == 0:
+        raise ValueError(f"x: expected a non-empty last dim, got shape {tuple(x.shape)}")
+    if weight is not None:
+        _require_float_tensor("weight", weight)
+        if weight.shape != (x.size(-1),):
+            raise ValueError(f"weight: expected shape [{x.size(-1)}] (x's last dim), got {tuple(weight.shape)}")
+        if weight.device != x.device:
+            raise ValueError(f"weight: expected device {x.device} (same as x), got {weight.device}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps: expected a positive float, got {eps!r}")
+    tensors = (x,) if weight is None else (x, weight)
+    return _dispatch("rms_norm", _rms_norm_triton, _rms_norm_ref, tensors, x, weight, float(eps))
+
+
+def _rms_norm_ref(x, weight, eps):
+    if weight is None:
+        return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf).to(x.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, stride_x, stride_out, eps, n_cols: tl.constexpr,
+                         HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < n_rows
+        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = row_mask[:, None] & (cols[None, :] < n_cols)
+            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            sum_sq += tl.sum(x * x, axis=1)
+        inv_rms = 1.0 / tl.sqrt(sum_sq / n_cols + eps)
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = row_mask[:, None] & (cols[None, :] < n_cols)
+            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = x * inv_rms[:, None]
+            if HAS_WEIGHT:
+                w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+                y = y * w[None, :]
+            tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rms_norm_triton(x, weight, eps):
+    n_cols = x.size(-1)
+    rows = x.reshape(-1, n_cols)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((rows.size(0), n_cols), dtype=x.dtype, device=x.device)
+    if rows.size(0) == 0:
+        return out.view(x.shape)
+    block_n = min(triton.next_power_of_2(n_cols), 1024)
+    block_m = max(1, _elements_per_program() // block_n)
+    weight_arg = weight if weight is not None else rows  # never read when HAS_WEIGHT is False
+    grid = (triton.cdiv(rows.size(0), block_m),)
+    _rms_norm_kernel[grid](rows, weight_arg, out, rows.size(0), rows.stride(0), out.stride(0), eps, n_cols=n_cols,
+                           HAS_WEIGHT=weight is not None, BLOCK_M=block_m, BLOCK_N=block_n)
+    return out.view(x.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# rope
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """Interleaved RoPE on the trailing 2 * cos.shape[-1] dims. x [T, D] or [T, H, D]; cos, sin
+    [T, R/2] (one angle per rotated pair, per token). Returns a new tensor shaped and typed as x."""
+    _require_float_tensor("x", x)
+    _require_float_tensor("cos", cos)
+    _require_float_tensor("sin", sin)
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x: expected [T, D] or [T, H, D], got shape {tuple(x.shape)}")
+    if cos.dim() != 2 or cos.size(0) != x.size(0):
+        raise ValueError(f"cos: expected shape [{x.size(0)}, R/2] (one row per token of x), got {tuple(cos.shape)}")
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin: expected shape {tuple(cos.shape)} (cos's), got {tuple(sin.shape)}")
+    if not 0 < 2 * cos.size(1) <= x.size(-1):
+        raise ValueError(f"cos: rotated dims 2 * {cos.size(1)} must be in (0, {x.size(-1)}] (x's last dim)")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.device != x.device:
+            raise ValueError(f"{name}: expected device {x.device} (same as x), got {t.device}")
+    if not isinstance(inverse, bool):
+        raise TypeError(f"inverse: expected bool, got {type(inverse).__name__}")
+    return _dispatch("rope", _rope_triton, _rope_ref, (x, cos, sin), x, cos, sin, inverse)
+
+
+def _rope_ref(x, cos, sin, inverse):
+    if inverse:
+        sin = -sin
+    cos = cos.repeat_interleave(2, dim=-1)
+    sin = sin.repeat_interleave(2, dim=-1)
+    if x.dim() == 3:
+        cos, sin = cos[:, None, :], sin[:, None, :]
+    rope_dim = cos.size(-1)
+    nope, rotated = x[..., :-rope_dim], x[..., -rope_dim:]
+    # rotate_half on interleaved pairs: (x0, x1) -> (-x1, x0)
+    turned = torch.stack((-rotated[..., 1::2], rotated[..., 0::2]), dim=-1).flatten(-2)
+    rotated = (rotated.float() * cos + turned.float() * sin).to(x.dtype)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, heads, half,
+                     stride_x, stride_out, stride_cos, stride_sin, nope_dim: tl.constexpr, SIN_SIGN: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < n_rows
+        tokens = rows // heads
+        x_rows = x_ptr + rows[:, None] * stride_x
+        out_rows = out_ptr + rows[:, None] * stride_out
+        for start in range(0, nope_dim, BLOCK_NOPE):
+            cols = start + tl.arange(0, BLOCK_NOPE)
+            mask = row_mask[:, None] & (cols[None, :] < nope_dim)
+            tl.store(out_rows + cols[None, :], tl.load(x_rows + cols[None, :], mask=mask), mask=mask)
+        pairs = tl.arange(0, BLOCK_HALF)
+        mask = row_mask[:, None] & (pairs[None, :] < half)
+        c = tl.load(cos_ptr + tokens[:, None] * stride_cos + pairs[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + tokens[:, None] * stride_sin + pairs[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = s * SIN_SIGN
+        even = nope_dim + 2 * pairs[None, :]
+        x_even = tl.load(x_rows + even, mask=mask, other=0.0).to(tl.float32)
+        x_odd = tl.load(x_rows + even + 1, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_rows + even, (x_even * c - x_odd * s).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_rows + even + 1, (x_odd * c + x_even * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rope_triton(x, cos, sin, inverse):
+    heads = x.size(1) if x.dim() == 3 else 1
+    dim = x.size(-1)
+    rows = x.reshape(-1, dim)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    out = torch.empty((rows.size(0), dim), dtype=x.dtype, device=x.device)
+    if rows.size(0) == 0:
+        return out.view(x.shape)
+    half = cos.size(1)
+    nope_dim = dim - 2 * half
+    block_nope = min(triton.next_power_of_2(max(nope_dim, 1)), 512)
+    block_m = max(1, _elements_per_program() // max(block_nope, 2 * triton.next_power_of_2(half)))
+    grid = (triton.cdiv(rows.size(0), block_m),)
+    _rope_kernel[grid](rows, cos, sin, out, rows.size(0), heads, half,
+                       rows.stride(0), out.stride(0), cos.stride(0), sin.stride(0), nope_dim=nope_dim,
+                       SIN_SIGN=-1.0 if inverse else 1.0, BLOCK_M=block_m, BLOCK_NOPE=block_nope,
+                       BLOCK_HALF=triton.next_power_of_2(half))
+    return out.view(x.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8 KV cache writes and reads (engine.h20_ops.kv_quant: Triton kernels and their torch reference)
+
+def kv_quantize(cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    """Quantize kv [n, 1, d] into the fp8 cache at slots [n] (kv_quant layouts; -1 slots skipped)."""
+    from engine.h20_ops import kv_quant
+
+    _dispatch("kv_quantize", kv_quant.quantize_into_cache, kv_quant.quantize_into_cache_ref,
+              (cache, slots, kv), cache, slots, kv)
+
+
+def kv_gather_dequant(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Dequantize the rows at slots [B, W] of the fp8 cache into out [B, W, 1, d]; returns out."""
+    from engine.h20_ops import kv_quant
+
+    def ref(cache, slots, out):
+        out.copy_(kv_quant.dequantize_from_cache_ref(cache, slots, out.dtype))
+        return out
+
+    return _dispatch("kv_gather_dequant", kv_quant.gather_dequant, ref, (cache, slots, out), cache, slots, out)

@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Decode speed with the fp8 KV cache (GPU): the DeepSeek-V4-Flash decode step of one compressed layer.
+
+Shapes: B in {1, 8, 64, 128}, s_q in {1, 2}, h_q 64, d 512, SWA window W = 128 rows (main cache,
+topk 128) + E = 512 compressed rows (extra cache, etopk 512): 640 valid entries per query. Both
+caches are paged MODEL1 fp8 (584 B/token). One step = 2 Triton gather_dequant launches (fp8 rows ->
+one bf16 [B, W+E, 1, 512] buffer) + decode_attn_sparse (one kernel launch; with the split, plus the
+torch merge). Each configuration runs without the split (S = 1) and with the automatic split.
+
+Columns (times: median of triton.testing.do_bench, L2 flushed before each run):
+  gather / attn / kernel / step ms: the gathers; decode_attn_sparse; its kernel launch alone (same
+    arguments, no index building or merge); gather + attn.
+  TFLOP/s: 2 * B * s_q * 640 * h_q * (512 + 512) / step time (masked slots: none here).
+  read GB/s: bytes the step actually reads / step time: fp8 rows + slot ids (gather), bf16 rows +
+    indices + q per program (kernel; q once per split chunk), partial outputs (merge).
+  roofline ms: the binding bound of an ideal fused fp8 kernel, max(FLOP / bf16 GEMM rate, bytes /
+    HBM bandwidth) with bytes = each request's 640 fp8 rows once + q + out; both rates measured in
+    this run (torch bf16 8192^3 GEMM; device-to-device copy of 2 GiB, read + write).
+  frac: roofline ms / step ms.
+Usage: python scripts/bench_decode.py [--backend triton|tilelang]    (needs CUDA)
+       python scripts/bench_decode.py --small   (tiny shapes on any device: checks this script)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import engine.h20_ops  # noqa: E402,F401
+from ab_decode import Case, make_inputs  # noqa: E402
+from engine.h20_ops import sparse_mla  # noqa: E402
+from engine.h20_ops.attn_sm90 import _choose_splits, decode_attn_sparse  # noqa: E402
+from engine.h20_ops.kv_quant import MODEL1, gather_dequant  # noqa: E402
+
+D = 512
+FP8_ROW_READ = 448 + 128 + 7  # bytes of one MODEL1 token a gather reads (NoPE, RoPE, 7 scales)
+
+
+def timer(fn, device) -> float:
+    """Median milliseconds."""
+    if device.type == "cuda":
+        import triton.testing
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[1]
+
+
+def device_rates(device, small: bool) -> tuple[float, float]:
+    """(HBM bytes/s from a device copy, bf16 GEMM FLOP/s), measured now."""
+    n_bytes = (1 << 16) if small else (2 << 30)
+    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device).uniform_()
+    dst = torch.empty_like(src)
+    copy_ms = timer(lambda: dst.copy_(src), device)
+    m = 256 if small else 8192
+    a = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    b = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    gemm_ms = timer(lambda: a @ b, device)
+    del src, dst, a, b
+    return 2 * n_bytes / (copy_ms * 1e-3), 2 * m ** 3 / (gemm_ms * 1e-3)
+
+
+def record_launch(fn):
+    """Runs fn once; returns the (args, kwargs) of the one sparse_mla_fwd launch it made."""
+    launches = []
+    real = sparse_mla.sparse_mla_fwd
+
+    def recording(*args, **kwargs):
+        launches.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    sparse_mla.sparse_mla_fwd = recording
+    try:
+        fn()
+    finally:
+        sparse_mla.sparse_mla_fwd = real
+    if len(launches) != 1:
+        raise AssertionError(f"expected one kernel launch per decode call, got {len(launches)}")
+    return launches[0]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", choices=("triton", "tilelang", "ref"), default=None,
+                        help="DEEPINFER_SPARSE_MLA_BACKEND for this run (default: the auto resolution)")
+    parser.add_argument("--small", action="store_true", help="tiny shapes on any device (checks the script)")
+    opts = parser.parse_args()
+    if not torch.cuda.is_available() and not opts.small:
+        print("bench_decode.py needs a CUDA device (or --small)")
+        return 2
+    if opts.backend is not None:
+        os.environ["DEEPINFER_SPARSE_MLA_BACKEND"] = opts.backend
+    sparse_mla.reset_resolution_for_tests()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    heads = 64
+    width, extra = (8, 16) if opts.small else (128, 512)
+    batches = (1, 2) if opts.small else (1, 8, 64, 128)
+    hbm, gemm = device_rates(device, opts.small)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"device: {name}; torch {torch.__version__}; backend {sparse_mla.resolve_backend()}")
+    print(f"measured: HBM copy {hbm / 1e9:.0f} GB/s (read+write), bf16 GEMM {gemm / 1e12:.1f} TFLOP/s")
+    print(f"shape: h_q {heads}, d {D}, W {width} + E {extra} (all valid), fp8 {MODEL1.name} caches, block 64")
+    header = (f"{'B':>4s} {'s_q':>3s} {'S':>3s} {'gather':>8s} {'attn':>8s} {'kernel':>8s} {'step':>8s} "
+              f"{'TFLOP/s':>8s} {'read GB/s':>9s} {'roofline':>8s} {'frac':>6s} {'bound':>7s}")
+    print(header)
+    print("-" * len(header))
+    entries = width + extra
+    for batch in batches:
+        for s_q in (1, 2):
+            case = Case(f"b{batch}", batch, s_q, width, extra, width, extra, heads=heads, sink=True)
+            args, buf, caches = make_inputs(case, seed=batch * 10 + s_q, device=device, empty_slots=False)
+            (swa_cache, swa_slots), (comp_cache, comp_slots) = caches
+            n_rows = batch * s_q
+
+            def gather():
+                gather_dequant(swa_cache, swa_slots, buf[:, :width])
+                gather_dequant(comp_cache, comp_slots, buf[:, width:])
+
+            gather_ms = timer(gather, device)
+            flop = 2 * n_rows * entries * heads * (D + D)
+            ideal_bytes = batch * entries * (FP8_ROW_READ + 4) + n_rows * heads * D * 2 * 2
+            roofline_ms = max(flop / gemm, ideal_bytes / hbm) * 1e3
+            bound = "compute" if flop / gemm >= ideal_bytes / hbm else "memory"
+            auto = _choose_splits(n_rows, heads, entries, device)
+            for splits in sorted({1, auto}):
+                call = dict(args)
+                q, kv_windows, indices = call.pop("q"), call.pop("kv_windows"), call.pop("indices")
+
+                def attn():
+                    decode_attn_sparse(q, kv_windows, indices, D ** -0.5, num_splits=splits, **call)
+
+                k_args, k_kwargs = record_launch(attn)
+                kernel_ms = timer(lambda: sparse_mla.sparse_mla_fwd(*k_args, **k_kwargs), device)
+                attn_ms = timer(attn, device)
+                step_ms = timer(lambda: (gather(), attn()), device)
+                read = (batch * entries * (FP8_ROW_READ + 4)  # gather
+                        + n_rows * entries * (4 + D * 2) * -(-heads // 64)  # kernel: indices + bf16 rows
+                        + n_rows * splits * heads * D * 2  # kernel: q per chunk
+                        + (n_rows * splits * heads * (D * 2 + 4) if splits > 1 else 0))  # merge
+                print(f"{batch:4d} {s_q:3d} {splits:3d} {gather_ms:8.4f} {attn_ms:8.4f} {kernel_ms:8.4f} "
+                      f"{step_ms:8.4f} {flop / step_ms / 1e9:8.1f} {read / step_ms / 1e6:9.0f} "
+                      f"{roofline_ms:8.4f} {roofline_ms / step_ms:6.1%} {bound:>7s}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

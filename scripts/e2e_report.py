@@ -1,0 +1,364 @@
+#!/usr/bin/env python3
+"""End-to-end report: the embedded tiny DeepSeek-V4 served by N data-parallel ranks (engine.serve_dp),
+checked against transformers' eager DeepseekV4ForCausalLM on the same weights (the oracle).
+
+Stages (one progress line each on stderr): checkpoint, oracle, one DP serve per run (two with
+--compare: TileLang blocked, then TileLang present), report. The DEEPINFER_* variables of the caller's
+environment reach every rank unchanged; --compare overrides only DEEPINFER_SIMULATE_NO_TILELANG per run.
+"Present" on a node without TileLang shows what auto resolution does there (triton), as it is.
+
+Prints a Markdown table (stdout) and writes the same content as JSON (schema in docs/e2e.md).
+Exit code 1 when anything failed: a rank failure, a missing completion, a ModuleNotFoundError in a
+rank, DP ranks disagreeing on the control prompt, or (float32 only) tokens differing from the oracle.
+bfloat16 runs report the shared-prefix length and max logits difference against the oracle instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import engine.h20_ops  # noqa: E402,F401  (sets TRITON_INTERPRET=1 on CPU-only machines before kernels load)
+from engine import config, serve_dp  # noqa: E402
+
+SCHEMA = "deepinfer-e2e-report/1"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CONTROL_TEXT = "Control prompt: every data-parallel rank must answer this one identically."
+# Index 1 is longer than the 128-token sliding window, so the window and the compressed caches
+# (ratio 4 and ratio 128) are all exercised by one request.
+PROMPT_TEXTS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Sparse attention keeps a sliding window of recent tokens and a compressed summary of the rest; "
+    "an indexer picks which compressed blocks each query reads. This prompt is long enough to leave "
+    "the window behind.",
+    "Hopper tensor cores",
+    "def add(a, b):\n    return a + b\n",
+    "Once upon a time, in a data center far away,",
+    "1, 1, 2, 3, 5, 8, 13,",
+    "Bonjour, comment allez-vous ?",
+    "MQA with K = V: one 512-wide vector per token.",
+)
+COMPARE_RUNS = (("TileLang blocked", {"DEEPINFER_SIMULATE_NO_TILELANG": "1"}),
+                ("TileLang present", {"DEEPINFER_SIMULATE_NO_TILELANG": "0"}))
+
+
+def progress(message: str) -> None:
+    print(f"[e2e {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def prompt_texts(count: int) -> list[str]:
+    return [PROMPT_TEXTS[i] if i < len(PROMPT_TEXTS) else f"Prompt number {i}: {PROMPT_TEXTS[i % len(PROMPT_TEXTS)]}"
+            for i in range(count)]
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def oracle_agreement(output_ids: list[int], step_logits: np.ndarray, oracle_ids: list[int],
+                     oracle_logits: np.ndarray) -> dict:
+    """Tokens equal, shared-prefix length, and the max |logit difference| over the steps whose context
+    is the same in both (steps 0..shared_prefix: step k sees the first k generated tokens)."""
+    shared = shared_prefix(output_ids, oracle_ids)
+    steps = min(shared + 1, len(output_ids), len(oracle_ids))
+    diff = float(np.max(np.abs(step_logits[:steps] - oracle_logits[:steps]))) if steps else None
+    return {"tokens_equal": output_ids == oracle_ids, "shared_prefix": shared, "steps": len(oracle_ids),
+            "max_logits_diff": diff}
+
+
+def short_text(text: str, limit: int = 28) -> str:
+    shown = repr(text)[1:-1]
+    return shown if len(shown) <= limit else shown[: limit - 1] + "\u2026"
+
+
+def backend_summary(ranks: list[dict]) -> str:
+    """"triton x8", or "tilelang x6, triton x1, none x1" (none: the rank could not resolve one)."""
+    counts = Counter(r["backend"] or "none" for r in ranks)
+    return ", ".join(f"{name} x{n}" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def evaluate_run(label: str, environ: dict, result: serve_dp.DPResult, prompts: list[list[int]],
+                 oracle: list[tuple[list[int], np.ndarray]], strict_oracle: bool, decode) -> dict:
+    """The JSON of one DP serve: per-rank state, control agreement, per-prompt answers vs the oracle,
+    and the failures that make the report exit nonzero. oracle[-1] is the control prompt's."""
+    failures: list[str] = []
+    ranks = []
+    for rec in result.records:
+        ranks.append({
+            "rank": rec.rank, "device": rec.device, "ok": rec.ok, "stage": rec.stage, "error": rec.error,
+            "backend": rec.backend, "backend_reason": rec.backend_reason, "tilelang_missing": rec.tilelang_missing,
+            "module_not_found_failures": rec.module_not_found_failures, "op_fallbacks": rec.op_fallbacks,
+            "prompt_indices": rec.prompt_indices, "generated_tokens": rec.generated_tokens,
+            "serve_seconds": rec.serve_seconds, "tokens_per_s": rec.tokens_per_s, "engine_stats": rec.engine_stats,
+        })
+        if not rec.ok:
+            err = rec.error or {"type": "?", "message": "failed without an error record"}
+            failures.append(f"rank {rec.rank} failed at stage {rec.stage}: {err['type']}: {err['message']}")
+    mnf = sum(r["module_not_found_failures"] for r in ranks)
+    if mnf:
+        failures.append(f"{mnf} rank(s) hit a ModuleNotFoundError")
+    fallbacks: Counter = Counter()
+    for r in ranks:
+        fallbacks.update(r["op_fallbacks"])
+
+    agreeing, control_ids = serve_dp.control_agreement(result.records)
+    n = len(result.records)
+    if agreeing != n:
+        failures.append(f"DP ranks agreeing on the control prompt: {agreeing}/{n}")
+    control = {"agreeing": agreeing, "ranks": n, "output_ids": control_ids,
+               "text": decode(control_ids) if control_ids is not None else None, "oracle": None}
+    if control_ids is not None:
+        holder = next(r for r in result.records
+                      if r.completions.get(serve_dp.CONTROL_REQUEST_ID, {}).get("output_ids") == control_ids)
+        control["oracle"] = oracle_agreement(control_ids, holder.completions[serve_dp.CONTROL_REQUEST_ID]["step_logits"],
+                                             *oracle[-1])
+        if strict_oracle and not control["oracle"]["tokens_equal"]:
+            failures.append("control prompt: tokens differ from the oracle")
+
+    owners = serve_dp.round_robin(len(prompts), n)
+    prompt_rows = []
+    for i, prompt in enumerate(prompts):
+        rank = next(r for r, share in enumerate(owners) if i in share)
+        done = result.records[rank].completions.get(serve_dp.prompt_request_id(i))
+        row = {"index": i, "rank": rank, "prompt_tokens": len(prompt), "prompt_text": decode(prompt),
+               "output_ids": None, "text": None, "oracle": None}
+        if done is None:
+            failures.append(f"prompt {i}: no completion (rank {rank})")
+        else:
+            row["output_ids"] = done["output_ids"]
+            row["text"] = decode(done["output_ids"])
+            row["oracle"] = oracle_agreement(done["output_ids"], done["step_logits"], *oracle[i])
+            if strict_oracle and not row["oracle"]["tokens_equal"]:
+                failures.append(f"prompt {i}: tokens differ from the oracle after {row['oracle']['shared_prefix']} "
+                                f"of {row['oracle']['steps']}")
+        prompt_rows.append(row)
+
+    return {
+        "label": label, "environ": environ, "ok": not failures, "failures": failures,
+        "dist_backend": result.dist_backend, "dist_backend_reason": result.dist_backend_reason,
+        "gathered": result.gathered, "notes": result.notes, "wall_seconds": result.wall_seconds,
+        "backend_summary": backend_summary(ranks), "module_not_found_failures": mnf,
+        "op_fallbacks": dict(sorted(fallbacks.items())), "control": control, "ranks": ranks, "prompts": prompt_rows,
+    }
+
+
+def compare_runs(a: dict, b: dict) -> dict:
+    """Per-prompt token identity between two runs' answers (and the control prompt's)."""
+    rows = []
+    for pa, pb in zip(a["prompts"], b["prompts"]):
+        if pa["output_ids"] is None or pb["output_ids"] is None:
+            rows.append({"index": pa["index"], "shared_prefix": None, "tokens_equal": False,
+                         "steps": len(pa["output_ids"] or pb["output_ids"] or [])})
+        else:
+            rows.append({"index": pa["index"], "shared_prefix": shared_prefix(pa["output_ids"], pb["output_ids"]),
+                         "tokens_equal": pa["output_ids"] == pb["output_ids"], "steps": len(pa["output_ids"])})
+    ca, cb = a["control"]["output_ids"], b["control"]["output_ids"]
+    control = None if ca is None or cb is None else {"shared_prefix": shared_prefix(ca, cb), "tokens_equal": ca == cb,
+                                                      "steps": len(ca)}
+    return {"labels": [a["label"], b["label"]], "prompts": rows, "control": control}
+
+
+# ---------------------------------------------------------------------------------------- Markdown
+
+def _cell(value) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _fallbacks_cell(fallbacks: dict) -> str:
+    return "none" if not fallbacks else ", ".join(f"{op} x{n}" for op, n in fallbacks.items())
+
+
+def _tokens_per_s_cell(run: dict) -> str:
+    return ", ".join(f"r{r['rank']} {r['tokens_per_s']:.1f}" if r["ok"] else f"r{r['rank']} failed"
+                     for r in run["ranks"])
+
+
+def _oracle_cell(agreement: dict | None, strict: bool) -> str:
+    if agreement is None:
+        return "no answer"
+    steps = agreement["steps"]
+    diff = agreement["max_logits_diff"]
+    diff_text = "n/a" if diff is None else f"{diff:.2e}"
+    if strict:
+        verdict = "equal" if agreement["tokens_equal"] else "DIFFERENT"
+        return f"{verdict} ({agreement['shared_prefix']}/{steps}; max dlogit {diff_text})"
+    return f"shared {agreement['shared_prefix']}/{steps}; max dlogit {diff_text}"
+
+
+def _oracle_summary(run: dict, strict: bool) -> str:
+    rows = [p["oracle"] for p in run["prompts"]]
+    if strict:
+        return f"{sum(1 for o in rows if o and o['tokens_equal'])}/{len(rows)} prompts tokens equal"
+    prefixes = [o["shared_prefix"] for o in rows if o]
+    return f"min shared prefix {min(prefixes) if prefixes else 'n/a'}; {len(prefixes)}/{len(rows)} answered"
+
+
+def render_markdown(report: dict) -> str:
+    runs = report["runs"]
+    strict = report["settings"]["dtype"] == "float32"
+    s = report["settings"]
+    lines = [f"## End-to-end report: tiny DeepSeek-V4, {s['ranks']} DP ranks, {s['dtype']}, "
+             f"KV cache {s['kv_cache']}, {s['device']}", ""]
+    lines += ["| | " + " | ".join(_cell(r["label"]) for r in runs) + " |",
+              "|---|" + "---|" * len(runs)]
+    summary = [
+        ("exit code", lambda r: report["exit_code"]),
+        ("sparse MLA backend per rank", lambda r: r["backend_summary"]),
+        ("ModuleNotFoundError failures", lambda r: r["module_not_found_failures"]),
+        ("kernels served by the default backend (op fallbacks)", lambda r: _fallbacks_cell(r["op_fallbacks"])),
+        ("DP ranks agreeing (control prompt)", lambda r: f"{r['control']['agreeing']}/{r['control']['ranks']}"),
+        ("control prompt vs oracle", lambda r: _oracle_cell(r["control"]["oracle"], strict)),
+        ("answers vs oracle", lambda r: _oracle_summary(r, strict)),
+        ("tokens/s per rank", _tokens_per_s_cell),
+        ("process group", lambda r: r["dist_backend"]),
+        ("run status", lambda r: "ok" if r["ok"] else f"FAILED ({len(r['failures'])})"),
+    ]
+    for name, get in summary:
+        lines.append(f"| {name} | " + " | ".join(_cell(get(r)) for r in runs) + " |")
+
+    lines += ["", "| prompt | rank | prompt text | " + " | ".join(
+        f"answer ({_cell(r['label'])}) | vs oracle ({_cell(r['label'])})" for r in runs)
+        + (" | shared prefix between runs |" if report["compare"] else " |")]
+    lines.append("|---|---|---|" + "---|---|" * len(runs) + ("---|" if report["compare"] else ""))
+    for i, base in enumerate(runs[0]["prompts"]):
+        cells = [str(i), str(base["rank"]), _cell(short_text(base["prompt_text"]))]
+        for r in runs:
+            p = r["prompts"][i]
+            cells += [_cell(short_text(p["text"])) if p["text"] is not None else "no answer",
+                      _cell(_oracle_cell(p["oracle"], strict))]
+        if report["compare"]:
+            c = report["compare"]["prompts"][i]
+            cells.append("n/a" if c["shared_prefix"] is None else f"{c['shared_prefix']}/{c['steps']}")
+        lines.append("| " + " | ".join(cells) + " |")
+    if report["compare"] and report["compare"]["control"]:
+        c = report["compare"]["control"]
+        lines += ["", f"Control prompt, shared prefix between runs: {c['shared_prefix']}/{c['steps']}"]
+    if report["failures"]:
+        lines += ["", "Failures:"] + [f"- {_cell(f)}" for f in report["failures"]]
+    lines += ["", f"JSON: {report['json_path']}"]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- main
+
+def parse_args(argv):
+    has_cuda = torch.cuda.is_available()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=8, help="data-parallel ranks (default 8)")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts spread round-robin over the ranks (default 8)")
+    ap.add_argument("--max-new-tokens", type=int, default=8, help="greedy tokens per prompt (default 8)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16" if has_cuda else "float32",
+                    help="engine and oracle dtype (default bfloat16 with a GPU, float32 without)")
+    ap.add_argument("--kv-cache", choices=("auto", "fp8"), default="auto", help="engine KV cache dtype (default auto)")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="JSON output path (default ./e2e_out/e2e_report_<time>.json)")
+    ap.add_argument("--compare", action="store_true",
+                    help="serve twice, TileLang blocked then present, and compare answers token by token")
+    ap.add_argument("--timeout", type=float, default=900.0,
+                    help="seconds for one DP serve before its ranks are killed (default 900)")
+    args = ap.parse_args(argv)
+    for name in ("ranks", "prompts", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
+    if args.timeout <= 0:
+        ap.error(f"--timeout: expected > 0, got {args.timeout}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    env = config.validate_all()  # a bad DEEPINFER_* value stops here, before any rank starts
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = DTYPES[args.dtype]
+    json_path = args.json or Path("e2e_out") / f"e2e_report_{time.strftime('%Y%m%d_%H%M%S')}.json"
+    report = {
+        "schema": SCHEMA, "exit_code": 1, "ok": False, "failures": [], "json_path": str(json_path.resolve()),
+        "settings": {"ranks": args.ranks, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+                     "dtype": args.dtype, "kv_cache": args.kv_cache, "device": device,
+                     "gpus": torch.cuda.device_count() if device == "cuda" else 0, "compare": args.compare,
+                     "timeout_s": args.timeout, "environ": env, "checkpoint": None,
+                     "torch": torch.__version__},
+        "oracle": None, "runs": [], "compare": None,
+    }
+    stage = "checkpoint"
+    try:
+        from engine.model.hf_oracle import hf_greedy
+        from engine.model.tiny import default_checkpoint_dir, load_tokenizer
+
+        t0 = time.perf_counter()
+        checkpoint = default_checkpoint_dir()
+        report["settings"]["checkpoint"] = str(checkpoint)
+        tokenizer = load_tokenizer(checkpoint)
+        prompts = [tokenizer.encode(t) for t in prompt_texts(args.prompts)]
+        control = tokenizer.encode(CONTROL_TEXT)
+        progress(f"checkpoint {checkpoint} ({time.perf_counter() - t0:.1f} s); {len(prompts)} prompts "
+                 f"({min(map(len, prompts))}..{max(map(len, prompts))} tokens) + 1 control prompt")
+
+        stage = "oracle"
+        t0 = time.perf_counter()
+        oracle_device = "cuda:0" if device == "cuda" else "cpu"
+        oracle_raw = hf_greedy(checkpoint, prompts + [control], args.max_new_tokens, dtype=dtype, device=oracle_device)
+        oracle = [(ids, logits.float().numpy()) for ids, logits in oracle_raw]
+        report["oracle"] = {"model": "transformers DeepseekV4ForCausalLM (eager)", "dtype": args.dtype,
+                            "device": oracle_device, "seconds": time.perf_counter() - t0,
+                            "prompts": [{"index": i, "output_ids": ids, "text": tokenizer.decode(ids)}
+                                        for i, (ids, _) in enumerate(oracle[:-1])],
+                            "control": {"output_ids": oracle[-1][0], "text": tokenizer.decode(oracle[-1][0])}}
+        progress(f"oracle: transformers eager, {args.dtype} on {oracle_device}, "
+                 f"{len(oracle)} prompts x {args.max_new_tokens} tokens ({report['oracle']['seconds']:.1f} s)")
+
+        factory = serve_dp.EngineFactory(str(checkpoint), dtype, args.kv_cache)
+        runs = COMPARE_RUNS if args.compare else (("as configured", {}),)
+        for label, environ in runs:
+            stage = f"serve ({label})"
+            job = serve_dp.DPJob(factory, tuple(map(tuple, prompts)), tuple(control), args.max_new_tokens,
+                                 ranks=args.ranks, device_type=device, timeout_s=args.timeout,
+                                 environ=tuple(environ.items()))
+            progress(f"serve ({label}): {args.ranks} ranks on {device}, "
+                     f"env {environ or 'as given'}, timeout {args.timeout:.0f} s")
+            result = serve_dp.serve(job, progress=lambda m, label=label: progress(f"serve ({label}): {m}"))
+            run = evaluate_run(label, environ, result, prompts, oracle, args.dtype == "float32", tokenizer.decode)
+            report["runs"].append(run)
+            progress(f"serve ({label}): {'ok' if run['ok'] else 'FAILED'} in {result.wall_seconds:.1f} s; "
+                     f"backend {run['backend_summary']}; control {run['control']['agreeing']}/{args.ranks}")
+        if args.compare:
+            report["compare"] = compare_runs(*report["runs"])
+    except Exception as exc:
+        traceback.print_exc()
+        report["failures"].append(f"{stage}: {type(exc).__name__}: {exc}")
+
+    for run in report["runs"]:
+        report["failures"] += [f"{run['label']}: {f}" for f in run["failures"]]
+    report["ok"] = not report["failures"]
+    report["exit_code"] = 0 if report["ok"] else 1
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    if report["runs"]:
+        print(render_markdown(report))
+    else:
+        print("\n".join(["## End-to-end report: no run completed", ""] + [f"- {f}" for f in report["failures"]]
+                        + ["", f"JSON: {report['json_path']}"]))
+    progress(f"report: exit code {report['exit_code']}; JSON {report['json_path']}")
+    return report["exit_code"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,519 @@
+"""Attention entry points: the decode adapter (offsets, invalid entries, no copy, one launch, split and
+merge, two caches, sink, base-2 lse) and varlen prefill, against the float32 oracle."""
+
+import math
+
+import pytest
+import torch
+
+import engine.h20_ops  # noqa: F401  (TRITON_INTERPRET on CPU before kernel modules load)
+from engine.h20_ops import attn_sm90 as attn
+from engine.h20_ops import sparse_mla
+from engine.h20_ops.sparse_mla_ref import sparse_mla_decode_ref, sparse_mla_prefill_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+H, D = 64, 512
+SCALE = D ** -0.5
+LOG2E = 1.0 / math.log(2.0)
+INT32_MIN, INT32_MAX = torch.iinfo(torch.int32).min, torch.iinfo(torch.int32).max
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures and helpers
+# ---------------------------------------------------------------------------------------------
+
+def _select_backend(monkeypatch, name):
+    if name is None:
+        monkeypatch.delenv("DEEPINFER_SPARSE_MLA_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("DEEPINFER_SPARSE_MLA_BACKEND", name)
+    sparse_mla.reset_resolution_for_tests()
+
+
+@pytest.fixture
+def ref_backend(monkeypatch):
+    _select_backend(monkeypatch, "ref")
+    yield
+    sparse_mla.reset_resolution_for_tests()
+
+
+@pytest.fixture
+def default_backend(monkeypatch):
+    """The real default path (no env var): triton under the interpreter on a CPU-only machine."""
+    _select_backend(monkeypatch, None)
+    yield
+    sparse_mla.reset_resolution_for_tests()
+
+
+@pytest.fixture
+def dispatcher_calls(monkeypatch):
+    """Records every call of the dispatcher's sparse_mla_fwd (the one kernel launch per entry call)."""
+    calls = []
+    real = sparse_mla.sparse_mla_fwd
+
+    def recording(q, kv, indices, sm_scale, **kwargs):
+        calls.append(dict(q=q, kv=kv, indices=indices.clone(), **kwargs))
+        return real(q, kv, indices, sm_scale, **kwargs)
+
+    monkeypatch.setattr(sparse_mla, "sparse_mla_fwd", recording)
+    return calls
+
+
+@pytest.fixture
+def triton_launches(monkeypatch):
+    """Counts launches of every Triton kernel of the triton backend's module (pre-run hooks)."""
+    from engine.h20_ops.vendor import flashmla_sparse
+
+    launches = []
+    for name, obj in vars(flashmla_sparse).items():
+        if hasattr(obj, "pre_run_hooks") and hasattr(obj, "add_pre_run_hook"):
+            hook = (lambda *args, _name=name, **kwargs: launches.append(_name))
+            monkeypatch.setattr(obj, "pre_run_hooks", [*obj.pre_run_hooks, hook])
+    return launches
+
+
+def fillers(limit: int) -> list[int]:
+    return [-1, limit, limit + 3, -limit, INT32_MIN, INT32_MAX, -123456]
+
+
+def random_local_indices(g, batch, s_q, k, limit, valid_fraction=0.7):
+    """Window-local indices with invalid fillers of every kind mixed in."""
+    idx = torch.randint(0, limit, (batch, s_q, k), generator=g, dtype=torch.int32)
+    fill = torch.tensor(fillers(limit), dtype=torch.int32)
+    pick = fill[torch.randint(0, len(fill), (batch, s_q, k), generator=g)]
+    keep = torch.rand(batch, s_q, k, generator=g) < valid_fraction
+    return torch.where(keep, idx, pick)
+
+
+def referenced_rows(idx, limit, lengths):
+    """[B, limit] bool: rows a valid entry (value in range, position < length) points at."""
+    batch, s_q, k = idx.shape
+    valid = (idx >= 0) & (idx < limit)
+    if lengths is not None:
+        valid &= torch.arange(k)[None, None, :] < lengths[:, None, None]
+    used = torch.zeros(batch, limit, dtype=torch.bool)
+    for b in range(batch):
+        used[b, idx[b][valid[b]].long()] = True
+    return used
+
+
+def make_decode_case(seed, batch, s_q, width, extra, topk, etopk, dtype, *, layout="shared", lengths=True):
+    """q (strided), window/extra buffers with NaN in every row no valid entry selects, indices with
+    fillers, per-request lengths (one request with length 0 when batch > 1)."""
+    g = torch.Generator().manual_seed(seed)
+    q_pad = torch.randn(batch, s_q, H, D + 32, generator=g)
+    q = q_pad[..., :D].to(dtype)  # leading dims strided
+    buf = torch.randn(batch, width + extra, 1, D, generator=g).to(dtype)
+    idx = random_local_indices(g, batch, s_q, topk, width)
+    case = dict(q=q, indices=idx)
+    topk_length = extra_topk_length = None
+    if lengths:
+        topk_length = torch.randint(0, topk + 1, (batch,), generator=g, dtype=torch.int32)
+        topk_length[0] = topk
+        if batch > 1:
+            topk_length[-1] = 0
+        case["topk_length"] = topk_length
+    used = torch.zeros(batch, width + extra, dtype=torch.bool)
+    used[:, :width] = referenced_rows(idx, width, topk_length)
+    if extra:
+        eidx = random_local_indices(g, batch, s_q, etopk, extra)
+        case["extra_indices"] = eidx
+        if lengths:
+            extra_topk_length = torch.randint(0, etopk + 1, (batch,), generator=g, dtype=torch.int32)
+            extra_topk_length[0] = etopk
+            case["extra_topk_length"] = extra_topk_length
+        used[:, width:] = referenced_rows(eidx, extra, extra_topk_length)
+    buf[~used] = float("nan")  # a leaked invalid entry turns the output into NaN
+    if layout == "shared":
+        case["kv_windows"] = buf[:, :width]
+        if extra:
+            case["extra_kv_windows"] = buf[:, width:]
+    else:  # two separate buffers
+        case["kv_windows"] = buf[:, :width].clone()
+        if extra:
+            case["extra_kv_windows"] = buf[:, width:].clone()
+    case["attn_sink"] = torch.randn(H, generator=g)
+    case["attn_sink"][:8] = float("inf")
+    case["attn_sink"][8:16] = float("-inf")
+    return {k: v.to(DEVICE) for k, v in case.items()}, buf.to(DEVICE)
+
+
+def oracle(case):
+    return sparse_mla_decode_ref(case["q"], case["kv_windows"], case["indices"], SCALE,
+                                 attn_sink=case.get("attn_sink"), topk_length=case.get("topk_length"),
+                                 extra_kv=case.get("extra_kv_windows"), extra_indices=case.get("extra_indices"),
+                                 extra_topk_length=case.get("extra_topk_length"))
+
+
+def run_decode(case, **kwargs):
+    args = dict(case)
+    return attn.decode_attn_sparse(args.pop("q"), args.pop("kv_windows"), args.pop("indices"), SCALE,
+                                   **args, **kwargs)
+
+
+def split_rounding_bound(call, splits):
+    """Rounding bound r [n, H, Dv] of a split decode: the partial outputs and the merged output are
+    each rounded to bf16 (one ulp, 2^-8 relative, also covers the interpreter's truncating casts):
+    r = 2^-8 * (sum_i w_i |o_i| + |o|), partials o_i and weights w_i from the oracle run on the very
+    rows and index chunks the kernel got. An element may be off by 1e-3 + r; the cosine distance by
+    sum r^2 / sum(a^2 + b^2)."""
+    part = sparse_mla_prefill_ref(call["q"].float(), call["kv"].float(), call["indices"], SCALE)
+    n = part.out.size(0) // splits
+    lse = part.lse.view(n, splits, -1).double()
+    weights = torch.softmax(lse.masked_fill(lse == math.inf, -math.inf), dim=1).nan_to_num(0.0)
+    parts = part.out.double().view(n, splits, *part.out.shape[1:])
+    mixed = (weights[..., None] * parts.abs()).sum(1) + (weights[..., None] * parts).sum(1).abs()
+    return (2.0 ** -8 * mixed).cpu()
+
+
+def assert_matches(out, lse, ref, *, exact: bool, bound=None):
+    """exact: float32 path (tight); else the decode tolerances (abs 1e-3 or rel 2.01/128, cosine
+    distance 5e-6), widened by a split's rounding bound (split_rounding_bound) when given."""
+    out, ref_out = out.double().cpu(), ref.out.double().cpu()
+    assert not torch.isnan(out).any()
+    err = (out - ref_out).abs()
+    if exact:
+        assert err.max().item() < 2e-5
+    else:
+        ok = (err < 1e-3) | (err / (ref_out.abs() + 1e-6) < 2.01 / 128)
+        energy = (out.square() + ref_out.square()).sum().clamp_min(1e-30)
+        cos_limit = 5e-6
+        if bound is not None:
+            bound = bound.view_as(err).double()
+            ok |= err <= 1e-3 + bound
+            cos_limit = max(cos_limit, (bound.square().sum() / energy).item())
+        assert ok.all(), err.max().item()
+        cos = 1 - 2 * (out * ref_out).sum() / energy
+        assert cos.item() < cos_limit, (cos.item(), cos_limit)
+    lse, ref_lse = lse.double().cpu(), ref.lse.double().cpu() * LOG2E  # engine lse is base 2
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[finite], ref_lse[finite], rtol=8.01 / 65536, atol=1e-5)
+    assert (lse[~finite] == float("inf")).all()
+
+
+def assert_adapter_indices(indices, batch, s_q, request_stride, spans):
+    """Every entry the kernel sees is -1 or a row of its own request inside one of spans
+    [(offset, rows)], relative to b * request_stride."""
+    n = batch * s_q
+    per_query = indices.view(n, -1).cpu().long()
+    request = torch.arange(n) // s_q
+    base = (request * request_stride)[:, None]
+    inside = torch.zeros_like(per_query, dtype=torch.bool)
+    for offset, rows in spans:
+        inside |= (per_query >= base + offset) & (per_query < base + offset + rows)
+    assert ((per_query == -1) | inside).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# decode: oracle matches, offsets, no copy, one launch
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["window_only", "shared", "separate"])
+@pytest.mark.parametrize("s_q", [1, 2])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_matches_oracle_ref_backend(ref_backend, dispatcher_calls, layout, s_q, splits):
+    batch, width = 3, 12
+    extra = 0 if layout == "window_only" else 20
+    case, buf = make_decode_case(10 + s_q, batch, s_q, width, extra, topk=10, etopk=16, dtype=torch.float32,
+                                 layout="separate" if layout == "separate" else "shared")
+    out, lse = run_decode(case, num_splits=splits)
+    assert out.shape == (batch, s_q, H, 512) and lse.shape == (batch, s_q, H)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert_matches(out, lse, oracle(case), exact=True)
+
+    assert len(dispatcher_calls) == 1  # one kernel launch for the whole batch (and all splits)
+    call = dispatcher_calls[0]
+    assert call.get("topk_length") is None  # lengths were applied by position in the index list
+    assert call["indices"].shape[0] == batch * s_q * splits
+    if layout == "separate":
+        assert call["kv"].untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()  # one concat
+        stride = width + extra
+    else:  # viewed in place
+        assert call["kv"].data_ptr() == buf.data_ptr()
+        assert call["kv"].untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        stride = width + extra
+    # undo the split (chunks of one query are consecutive rows) before checking the offsets
+    indices = call["indices"].view(batch * s_q, -1)
+    spans = [(0, width)] + ([(width, extra)] if extra else [])
+    assert_adapter_indices(indices, batch, s_q, stride, spans)
+
+
+def test_decode_window_slice_is_not_copied(ref_backend, dispatcher_calls):
+    """A one-cache call on buf[:, :W] of a wider buffer keeps the buffer's request stride."""
+    batch, width, extra = 4, 8, 5
+    case, buf = make_decode_case(3, batch, 1, width, extra, topk=6, etopk=4, dtype=torch.float32)
+    case.pop("extra_kv_windows"), case.pop("extra_indices"), case.pop("extra_topk_length")
+    ref = oracle(case)
+    out, lse = run_decode(case, num_splits=1)
+    assert_matches(out, lse, ref, exact=True)
+    call = dispatcher_calls[0]
+    assert call["kv"].data_ptr() == buf.data_ptr()
+    assert call["kv"].shape == ((batch - 1) * (width + extra) + width, 1, D)
+    assert_adapter_indices(call["indices"], batch, 1, width + extra, [(0, width)])
+
+
+def test_decode_contiguous_windows_are_not_copied(ref_backend, dispatcher_calls):
+    batch, width = 3, 9
+    case, _ = make_decode_case(4, batch, 2, width, 0, topk=7, etopk=0, dtype=torch.float32)
+    windows = case["kv_windows"].contiguous()
+    case["kv_windows"] = windows
+    out, lse = run_decode(case, num_splits=1)
+    assert_matches(out, lse, oracle(case), exact=True)
+    assert dispatcher_calls[0]["kv"].data_ptr() == windows.data_ptr()
+    assert dispatcher_calls[0]["kv"].shape == (batch * width, 1, D)
+
+
+def test_invalid_entries_never_reach_other_requests(ref_backend, dispatcher_calls):
+    """Requests 0 and 2 hold only fillers (incl. -1 and W, which shifted naively would be the last
+    row of the previous / first row of the next request); the rows around them are huge."""
+    batch, width, extra = 3, 6, 4
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(batch, 1, H, D, generator=g).to(DEVICE)
+    buf = torch.randn(batch, width + extra, 1, D, generator=g).mul(1e4).to(DEVICE)
+    fill = torch.tensor(fillers(width) * 2, dtype=torch.int32)
+    idx = torch.randint(0, width, (batch, 1, len(fill)), generator=g, dtype=torch.int32)
+    idx[0, 0], idx[2, 0] = fill, fill
+    efill = torch.tensor(fillers(extra) * 2, dtype=torch.int32)
+    eidx = torch.randint(0, extra, (batch, 1, len(efill)), generator=g, dtype=torch.int32)
+    eidx[0, 0], eidx[2, 0] = efill, efill
+    sink = torch.full((H,), float("inf"))
+    sink[::2] = 0.5
+    case = dict(q=q, kv_windows=buf[:, :width], indices=idx.to(DEVICE), extra_kv_windows=buf[:, width:],
+                extra_indices=eidx.to(DEVICE), attn_sink=sink.to(DEVICE))
+    out, lse = run_decode(case, num_splits=1)
+    for b in (0, 2):
+        assert (out[b] == 0).all() and (lse[b] == float("inf")).all()
+    assert torch.isfinite(lse[1]).all() and out[1, 0, 0::2].abs().sum() > 0
+    assert (out[1, 0, 1::2] == 0).all()  # +inf sink zeroes a non-empty row
+    assert_matches(out, lse, oracle(case), exact=False)
+    assert_adapter_indices(dispatcher_calls[0]["indices"], batch, 1, width + extra, [(0, width), (width, extra)])
+    assert (dispatcher_calls[0]["indices"].view(batch, -1)[[0, 2]] == -1).all()
+
+
+def test_all_invalid_extra_cache_contributes_nothing(ref_backend):
+    batch, width, extra = 2, 10, 6
+    case, _ = make_decode_case(6, batch, 2, width, extra, topk=8, etopk=5, dtype=torch.float32)
+    case["extra_topk_length"] = torch.zeros(batch, dtype=torch.int32, device=DEVICE)
+    with_extra = run_decode(case, num_splits=1)
+    main_only = {k: v for k, v in case.items() if not k.startswith("extra")}
+    alone = run_decode(main_only, num_splits=1)
+    assert torch.allclose(with_extra[0], alone[0], rtol=0, atol=1e-5)
+    assert torch.equal(torch.isinf(with_extra[1]), torch.isinf(alone[1]))
+    assert torch.allclose(with_extra[1], alone[1], rtol=1e-6, atol=0)
+    assert_matches(*with_extra, oracle(main_only), exact=True)
+
+
+def test_split_uses_stride0_query_for_a_single_row(ref_backend, dispatcher_calls):
+    case, _ = make_decode_case(7, 1, 1, 16, 24, topk=16, etopk=24, dtype=torch.float32)
+    out, lse = run_decode(case, num_splits=4)
+    assert_matches(out, lse, oracle(case), exact=True)
+    q_seen = dispatcher_calls[0]["q"]
+    assert q_seen.shape[0] == 4 and q_seen.stride(0) == 0  # no copy of q
+
+
+def test_auto_split_choice():
+    cpu = torch.device("cpu")  # 132 SMs assumed off-GPU
+    assert attn._choose_splits(1, 64, 640, cpu) == 10  # chunks of 64 entries
+    assert attn._choose_splits(8, 64, 640, cpu) == 10
+    assert attn._choose_splits(64, 64, 640, cpu) == 2
+    assert attn._choose_splits(128, 64, 640, cpu) == 1  # one wave already
+    assert attn._choose_splits(1, 128, 640, cpu) == 10
+    assert attn._choose_splits(40, 128, 640, cpu) == 1
+    assert attn._choose_splits(1, 64, 40, cpu) == 1  # too short to split
+
+
+def test_lse_is_base2(ref_backend):
+    case, _ = make_decode_case(8, 2, 1, 12, 0, topk=12, etopk=0, dtype=torch.float32, lengths=False)
+    _, lse = run_decode(case, num_splits=2)
+    ratio = (lse.double() / oracle(case).lse.double()).flatten()
+    assert torch.allclose(ratio, torch.full_like(ratio, LOG2E), rtol=1e-5)  # 1.4427, not 1.0 or 0.693
+
+
+# ---------------------------------------------------------------------------------------------
+# sink and merge
+# ---------------------------------------------------------------------------------------------
+
+def test_apply_sink_is_stable_at_extremes():
+    """_apply_sink runs inside the merge kernel: a one-chunk merge is exactly the sink application."""
+    lse_nat = torch.tensor([0.0, 1e4, -1e4, 1e4, -1e4, 50.0, 3.0, math.inf, math.inf, 7.0, 7.0, 2e4, -2e4])
+    sink = torch.tensor([0.0, -1e4, 1e4, 1e4, -1e4, 49.0, -math.inf, math.inf, -math.inf, math.inf, 7.0,
+                         -2e4, 2e4])
+    heads = len(lse_nat)
+    empty = torch.isinf(lse_nat)
+    out = torch.randn(1, heads, 16, dtype=torch.float64) + 2.0
+    out[:, empty] = 0.0
+    got, lse = attn._merge_splits(out.float().to(DEVICE), (lse_nat * LOG2E)[None].to(DEVICE), 1, sink.to(DEVICE))
+    got, lse = got[0].cpu(), lse[0].cpu()
+    # float64 reference: exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + exp(sink - lse)); empty rows stay 0
+    diff = torch.where(empty, torch.full_like(lse_nat, -math.inf), sink - lse_nat).double()
+    expected = out[0] * (1.0 / (1.0 + torch.exp(diff)))[:, None]
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got.double(), expected, rtol=1e-6, atol=1e-30)
+    assert (got[empty] == 0).all() and (got[9] == 0).all()  # empty rows; +inf sink -> 0
+    assert torch.equal(got[6], out[0, 6].float())  # -inf sink: untouched
+    assert (got[3] != 0).all() and (got[4] != 0).all()  # |lse|, |sink| = 1e4 at equal values: factor 1/2
+    assert torch.equal(torch.isinf(lse), empty) and torch.allclose(lse[~empty], (lse_nat * LOG2E)[~empty])
+
+
+def test_merge_splits_with_empty_chunks_and_bf16():
+    g = torch.Generator().manual_seed(9)
+    n, splits, heads, d_v = 3, 4, 11, 32
+    lse = torch.randn(n, splits, heads, generator=g) * 30
+    lse[0, 1] = math.inf  # an empty chunk
+    lse[1] = math.inf  # a query whose chunks are all empty
+    lse[2, :, 0] = torch.tensor([1e4, -1e4, 1e4 - 1.0, math.inf])
+    parts = torch.randn(n, splits, heads, d_v, generator=g)
+    parts[lse == math.inf] = 0.0
+    sink = torch.randn(heads, generator=g)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2.0 ** -7)):
+        got, merged = attn._merge_splits(parts.to(dtype).view(n * splits, heads, d_v).to(DEVICE),
+                                         lse.view(n * splits, heads).to(DEVICE), splits, sink.to(DEVICE))
+        got, merged = got.cpu().double(), merged.cpu().double()
+        assert got.dtype == torch.float64 and got.shape == (n, heads, d_v)
+        nat = lse.double().masked_fill(lse == math.inf, -math.inf) * math.log(2.0)
+        w = torch.softmax(nat, dim=1).nan_to_num(0.0)
+        ref_lse = torch.logsumexp(nat, dim=1) * LOG2E
+        ref = (w[..., None] * parts.to(dtype).double()).sum(1)
+        ref *= torch.sigmoid(ref_lse * math.log(2.0) - sink.double())[..., None].nan_to_num(1.0)
+        assert (got[1] == 0).all() and (merged[1] == math.inf).all()
+        ok = [0, 2]
+        assert torch.allclose(merged[ok], ref_lse[ok], rtol=1e-6, atol=1e-5)
+        assert torch.allclose(got[ok], ref[ok], rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill
+# ---------------------------------------------------------------------------------------------
+
+def make_prefill_case(seed, dtype):
+    """Two packed sequences (5 and 7 tokens) with causal absolute indices, fillers, lengths."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [5, 7]
+    total = sum(lens)
+    query = torch.randn(total, H, D, generator=g).to(dtype)
+    kv = torch.randn(total + 3, 1, D, generator=g).to(dtype)
+    topk = 8
+    idx = torch.full((total, topk), -1, dtype=torch.int32)
+    start = 0
+    for n in lens:
+        for t in range(n):
+            visible = torch.arange(start, start + t + 1, dtype=torch.int32)
+            pick = visible[torch.randperm(len(visible), generator=g)][:topk]
+            idx[start + t, :len(pick)] = pick
+            idx[start + t, len(pick):] = torch.tensor(fillers(total + 3), dtype=torch.int32)[:topk - len(pick)]
+        start += n
+    kv[total:] = float("nan")  # never selected
+    length = torch.randint(0, topk + 1, (total,), generator=g, dtype=torch.int32)
+    sink = torch.randn(H, generator=g)
+    return [t.to(DEVICE) for t in (query, kv, idx, sink, length)]
+
+
+def test_prefill_matches_oracle_ref_backend(ref_backend, dispatcher_calls):
+    query, kv, idx, sink, length = make_prefill_case(11, torch.float32)
+    out = attn.prefill_attn_varlen_sparse(query, kv, idx, SCALE, sink, length)
+    ref = sparse_mla_prefill_ref(query, kv, idx, SCALE, attn_sink=sink, topk_length=length)
+    assert out.shape == (query.size(0), H, 512)
+    assert (out.double() - ref.out.double()).abs().max().item() < 2e-5
+    assert len(dispatcher_calls) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the real default path (Triton; under the interpreter on CPU)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_default_path(default_backend, dispatcher_calls, triton_launches, splits):
+    if DEVICE == "cpu":
+        assert sparse_mla.resolve_backend() == "triton"
+    case, buf = make_decode_case(20 + splits, 2, 2, 8, 16, topk=8, etopk=12, dtype=torch.bfloat16)
+    out, lse = run_decode(case, num_splits=splits)
+    assert out.dtype == torch.bfloat16
+    bound = split_rounding_bound(dispatcher_calls[0], splits) if splits > 1 else None
+    assert_matches(out, lse, oracle(case), exact=False, bound=bound)
+    assert len(dispatcher_calls) == 1 and dispatcher_calls[0]["kv"].data_ptr() == buf.data_ptr()
+    if sparse_mla.resolve_backend() == "triton":
+        assert len(triton_launches) == 1, triton_launches
+
+
+def test_decode_default_path_single_row_split(default_backend, dispatcher_calls, triton_launches):
+    """B = s_q = 1 with a split: the kernel reads q through a stride-0 leading dim."""
+    case, _ = make_decode_case(30, 1, 1, 8, 24, topk=8, etopk=24, dtype=torch.bfloat16)
+    out, lse = run_decode(case, num_splits=3)
+    assert dispatcher_calls[0]["q"].stride(0) == 0
+    assert_matches(out, lse, oracle(case), exact=False, bound=split_rounding_bound(dispatcher_calls[0], 3))
+    if sparse_mla.resolve_backend() == "triton":
+        assert len(triton_launches) == 1
+
+
+def test_prefill_default_path(default_backend, triton_launches):
+    query, kv, idx, sink, length = make_prefill_case(12, torch.bfloat16)
+    out = attn.prefill_attn_varlen_sparse(query, kv, idx, SCALE, sink, length)
+    ref = sparse_mla_prefill_ref(query, kv, idx, SCALE, attn_sink=sink, topk_length=length)
+    err = (out.double() - ref.out.double()).abs().cpu()
+    assert ((err < 8e-4) | (err / (ref.out.double().abs().cpu() + 1e-6) < 3.01 / 128)).all()
+    if sparse_mla.resolve_backend() == "triton":
+        assert len(triton_launches) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------------------------
+
+def test_decode_bad_inputs_name_the_argument(ref_backend):
+    case, _ = make_decode_case(13, 2, 1, 6, 4, topk=4, etopk=3, dtype=torch.float32)
+
+    def call(**changes):
+        args = {**case, **changes}
+        args = {k: v for k, v in args.items() if v is not None}
+        num_splits = args.pop("num_splits", 1)
+        scale = args.pop("softmax_scale", SCALE)
+        return attn.decode_attn_sparse(args.pop("q"), args.pop("kv_windows"), args.pop("indices"), scale,
+                                       num_splits=num_splits, **args)
+
+    with pytest.raises(ValueError, match="^q:"):
+        call(q=case["q"][0])
+    with pytest.raises(TypeError, match="^q:"):
+        call(q=case["q"].half())
+    with pytest.raises(TypeError, match="^kv_windows:"):
+        call(kv_windows=case["kv_windows"].bfloat16())
+    with pytest.raises(ValueError, match="^kv_windows:"):
+        call(kv_windows=case["kv_windows"][:1])
+    with pytest.raises(TypeError, match="^indices:"):
+        call(indices=case["indices"].long())
+    with pytest.raises(ValueError, match="^indices:"):
+        call(indices=case["indices"][:, :, :0])
+    with pytest.raises(ValueError, match="^topk_length:"):
+        call(topk_length=case["topk_length"][:1])
+    with pytest.raises(ValueError, match="extra_kv_windows and extra_indices"):
+        call(extra_indices=None, extra_topk_length=None)
+    with pytest.raises(ValueError, match="^extra_topk_length:"):
+        call(extra_kv_windows=None, extra_indices=None)
+    with pytest.raises(ValueError, match="^extra_kv_windows:"):
+        call(extra_kv_windows=case["extra_kv_windows"][..., :256])
+    with pytest.raises(ValueError, match="^extra_indices:"):
+        call(extra_indices=case["extra_indices"][:, :, :0])
+    with pytest.raises(ValueError, match="^attn_sink:"):
+        call(attn_sink=case["attn_sink"][:3])
+    with pytest.raises(ValueError, match="^softmax_scale:"):
+        call(softmax_scale=-1.0)
+    with pytest.raises(ValueError, match="^num_splits:"):
+        call(num_splits=0)
+
+
+def test_prefill_bad_inputs_name_the_argument(ref_backend):
+    query, kv, idx, sink, length = make_prefill_case(14, torch.float32)
+    with pytest.raises(TypeError, match="^query:"):
+        attn.prefill_attn_varlen_sparse(query.half(), kv, idx, SCALE)
+    with pytest.raises(ValueError, match="^kv_a_with_mqa:"):
+        attn.prefill_attn_varlen_sparse(query, kv[:, :, :256], idx, SCALE)
+    with pytest.raises(ValueError, match="^index_topk:"):
+        attn.prefill_attn_varlen_sparse(query, kv, idx[:3], SCALE)
+    with pytest.raises(TypeError, match="^index_topk:"):
+        attn.prefill_attn_varlen_sparse(query, kv, idx.long(), SCALE)
+    with pytest.raises(ValueError, match="^index_length:"):
+        attn.prefill_attn_varlen_sparse(query, kv, idx, SCALE, sink, length[:2])
+    with pytest.raises(ValueError, match="^attn_sink:"):
+        attn.prefill_attn_varlen_sparse(query, kv, idx, SCALE, sink[:2], length)
+    with pytest.raises(TypeError, match="^softmax_scale:"):
+        attn.prefill_attn_varlen_sparse(query, kv, idx, "0.1")

@@ -1,0 +1,267 @@
+"""The data-parallel server (engine.serve_dp) and the end-to-end report (scripts/e2e_report.py).
+
+- The issue's CI command end to end (real engine, 8 ranks over gloo, Triton under its interpreter,
+  transformers' oracle), asserting on the JSON it writes.
+- serve_dp with a tiny fake engine (no model): results gathered from every rank, round-robin shares,
+  the environment reaching the ranks; a rank that raises is reported with its exception text and a
+  ModuleNotFoundError is counted; a hung rank and a crashed rank are reported and nothing waits past
+  the deadline.
+- Report building on synthetic records: oracle agreement, failures, Markdown table, compare.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import serve_dp
+from engine.serve_dp import CONTROL_REQUEST_ID, DPJob, DPResult, RankRecord, prompt_request_id
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("e2e_report", ROOT / "scripts" / "e2e_report.py")
+e2e_report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(e2e_report)
+
+VOCAB = 16
+
+
+# ------------------------------------------------------------------------------- the CI command
+
+def test_ci_command_report_json(tmp_path):
+    """Issue 6 item 6: exit 0, triton x8, no ModuleNotFoundError, no fallbacks, 8/8, oracle tokens."""
+    out = tmp_path / "report.json"
+    env = {**os.environ, "PYTHON": sys.executable, "DEEPINFER_SIMULATE_NO_TILELANG": "1", "DEEPINFER_KERNELS": "ref",
+           "DEEPINFER_OPS_STRICT": "1", "DEEPINFER_USE_NEXTN_DECODE": "0"}
+    env.pop("DEEPINFER_SPARSE_MLA_BACKEND", None)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "h20_e2e_report.sh"), "--prompts", "8",
+                           "--max-new-tokens", "4", "--json", str(out), "--timeout", "420"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    report = json.loads(out.read_text())
+    assert report["schema"] == e2e_report.SCHEMA
+    assert report["exit_code"] == 0 and report["ok"] and report["failures"] == []
+    (run,) = report["runs"]
+    assert run["backend_summary"] == "triton x8"
+    assert all(r["backend"] == "triton" and "TileLang missing" in r["backend_reason"] for r in run["ranks"])
+    assert run["module_not_found_failures"] == 0
+    assert run["op_fallbacks"] == {} and all(r["op_fallbacks"] == {} for r in run["ranks"])
+    assert run["control"]["agreeing"] == 8 and run["control"]["ranks"] == 8
+    assert run["control"]["output_ids"] == report["oracle"]["control"]["output_ids"]
+    assert len(run["prompts"]) == 8
+    for p, o in zip(run["prompts"], report["oracle"]["prompts"]):
+        assert p["rank"] == p["index"] % 8
+        assert p["output_ids"] == o["output_ids"] and len(o["output_ids"]) == 4
+        assert p["oracle"]["tokens_equal"] and p["oracle"]["max_logits_diff"] < 1e-2
+    assert max(p["prompt_tokens"] for p in run["prompts"]) > 128  # one prompt leaves the sliding window
+    assert all(r["ok"] and r["tokens_per_s"] > 0 and r["generated_tokens"] == 4 * (1 + 1) for r in run["ranks"])
+    assert report["settings"]["environ"]["DEEPINFER_KERNELS"] == "ref"
+    # the Markdown table on stdout carries the same verdicts
+    assert "| sparse MLA backend per rank | triton x8 |" in proc.stdout
+    assert "| DP ranks agreeing (control prompt) | 8/8 |" in proc.stdout
+    assert "| exit code | 0 |" in proc.stdout
+    assert str(out.resolve()) in proc.stdout
+    assert "[e2e" in proc.stderr and "oracle" in proc.stderr
+
+
+# ------------------------------------------------------------------------------- fake workload
+
+@dataclass
+class FakeCompletion:
+    request_id: str
+    output_ids: list[int]
+    step_logits: torch.Tensor
+
+
+def fake_tokens(prompt: list[int], n: int, salt: int = 0) -> list[int]:
+    return [(sum(prompt) * 7 + k * 3 + salt) % VOCAB for k in range(n)]
+
+
+class FakeEngine:
+    """Deterministic answers from the prompt; `misbehave` picks what this rank does."""
+
+    def __init__(self, misbehave: str | None, salt: int):
+        self.misbehave = misbehave
+        self.salt = salt
+
+    def generate(self, requests):
+        if self.misbehave == "raise":
+            raise RuntimeError(f"boom on rank {torch.distributed.get_rank()}")
+        if self.misbehave == "module":
+            try:
+                import deepinfer_no_such_module  # noqa: F401
+            except ModuleNotFoundError as exc:
+                raise RuntimeError("a kernel module failed to load") from exc
+        if self.misbehave == "hang":
+            time.sleep(3600)
+        if self.misbehave == "crash":
+            os._exit(7)
+        out = []
+        for r in requests:
+            ids = fake_tokens(r.prompt_ids, r.max_new_tokens, self.salt)
+            out.append(FakeCompletion(r.request_id, ids, torch.nn.functional.one_hot(torch.tensor(ids), VOCAB).float()))
+        return out
+
+    def stats(self):
+        return {"fake": True, "salt_from_env": os.environ.get("DEEPINFER_TEST_SALT")}
+
+
+@dataclass(frozen=True)
+class FakeFactory:
+    misbehave_by_rank: tuple[tuple[int, str], ...] = ()
+
+    def __call__(self, device):
+        rank = torch.distributed.get_rank()
+        salt = int(os.environ.get("DEEPINFER_TEST_SALT", "0"))
+        return FakeEngine(dict(self.misbehave_by_rank).get(rank), salt)
+
+
+PROMPTS = tuple(tuple(range(i + 1, i + 4)) for i in range(6))
+CONTROL = (5, 9, 2)
+
+
+def fake_job(ranks=3, misbehave=(), timeout_s=60.0, environ=()):
+    return DPJob(FakeFactory(tuple(misbehave)), PROMPTS, CONTROL, 5, ranks=ranks, timeout_s=timeout_s,
+                 environ=tuple(environ))
+
+
+def test_serve_gathers_every_rank_round_robin():
+    result = serve_dp.serve(fake_job(ranks=3, environ=[("DEEPINFER_TEST_SALT", "4")]))
+    assert result.ok and result.gathered and result.dist_backend == "gloo" and result.notes == []
+    assert [r.rank for r in result.records] == [0, 1, 2]
+    for rec in result.records:
+        assert rec.prompt_indices == list(range(rec.rank, len(PROMPTS), 3))
+        assert sorted(rec.completions) == sorted([CONTROL_REQUEST_ID] + [prompt_request_id(i) for i in rec.prompt_indices])
+        for i in rec.prompt_indices:
+            c = rec.completions[prompt_request_id(i)]
+            assert c["output_ids"] == fake_tokens(list(PROMPTS[i]), 5, salt=4)  # environ reached the rank
+            assert isinstance(c["step_logits"], np.ndarray) and c["step_logits"].shape == (5, VOCAB)
+        assert rec.engine_stats == {"fake": True, "salt_from_env": "4"}
+        assert rec.backend == "triton" or rec.backend == "tilelang"  # resolved in the rank
+        assert rec.generated_tokens == 5 * (1 + len(rec.prompt_indices)) and rec.tokens_per_s > 0
+        assert rec.device == "cpu" and rec.stage == "done" and rec.error is None
+    assert serve_dp.control_agreement(result.records) == (3, fake_tokens(list(CONTROL), 5, salt=4))
+
+
+def test_raising_ranks_are_reported_and_fail_the_report():
+    result = serve_dp.serve(fake_job(ranks=3, misbehave=[(1, "raise"), (2, "module")]))
+    assert result.gathered  # exceptions are records, the gather still completes
+    ok, boom, mnf = result.records
+    assert ok.ok and not boom.ok and not mnf.ok
+    assert boom.error["type"] == "RuntimeError" and boom.error["message"] == "boom on rank 1"
+    assert "boom on rank 1" in boom.error["traceback"] and boom.stage == "serve"
+    assert boom.module_not_found_failures == 0
+    assert mnf.module_not_found_failures == 1 and "deepinfer_no_such_module" in mnf.error["traceback"]
+    run = e2e_report.evaluate_run("fake", {}, result, [list(p) for p in PROMPTS], fake_oracle(), True, str)
+    assert not run["ok"] and run["module_not_found_failures"] == 1
+    assert run["control"]["agreeing"] == 1 and run["control"]["ranks"] == 3
+    text = "\n".join(run["failures"])
+    assert "rank 1 failed at stage serve: RuntimeError: boom on rank 1" in text
+    assert "1 rank(s) hit a ModuleNotFoundError" in text and "1/3" in text
+    assert "prompt 1: no completion (rank 1)" in text and "prompt 5: no completion (rank 2)" in text
+
+
+def test_hung_and_crashed_ranks_do_not_hang_the_run():
+    start = time.time()
+    result = serve_dp.serve(fake_job(ranks=4, misbehave=[(1, "hang"), (3, "crash")], timeout_s=25.0))
+    elapsed = time.time() - start
+    assert elapsed < 25.0 + serve_dp.VERDICT_WAIT_S + 10, elapsed
+    assert not result.gathered and any("[1, 3]" in n for n in result.notes)
+    r0, hung, r2, crashed = result.records
+    assert r0.ok and r2.ok and r0.completions and r2.completions  # present ranks still report
+    assert hung.error["type"] == "NoResult" and "killed by the watchdog" in hung.error["message"]
+    assert crashed.error["type"] == "NoResult" and "exited with code 7" in crashed.error["message"]
+
+
+def fake_oracle(salt=0):
+    return [(fake_tokens(list(p), 5, salt), np.eye(VOCAB, dtype=np.float32)[fake_tokens(list(p), 5, salt)])
+            for p in PROMPTS + (CONTROL,)]
+
+
+# ------------------------------------------------------------------------------- report building
+
+def synthetic_result(ranks=4, wrong_prompt=None, backends=None, fallbacks=None) -> DPResult:
+    records = []
+    for r in range(ranks):
+        rec = RankRecord(rank=r, device="cpu", ok=True, stage="done", backend=(backends or {}).get(r, "triton"),
+                         backend_reason="auto: TileLang missing (x)", op_fallbacks=(fallbacks or {}).get(r, {}),
+                         prompt_indices=serve_dp.round_robin(len(PROMPTS), ranks)[r], generated_tokens=10,
+                         serve_seconds=2.0, tokens_per_s=5.0)
+        for rid, prompt in [(CONTROL_REQUEST_ID, CONTROL)] + [(prompt_request_id(i), PROMPTS[i]) for i in rec.prompt_indices]:
+            ids = fake_tokens(list(prompt), 5)
+            logits = np.eye(VOCAB, dtype=np.float32)[ids]
+            if rid == prompt_request_id(wrong_prompt if wrong_prompt is not None else -1):
+                ids = ids[:2] + [(ids[2] + 1) % VOCAB] + ids[3:]
+                logits = logits.copy()
+                logits[2] += 0.25
+                logits[3:] += 100.0  # after the divergence: not comparable, must not count
+            rec.completions[rid] = {"output_ids": ids, "step_logits": logits}
+        records.append(rec)
+    return DPResult(records, "gloo", "CPU ranks", True, [], 3.0)
+
+
+def test_oracle_agreement_counts_only_comparable_steps():
+    a = e2e_report.oracle_agreement([1, 2, 3, 4], np.array([[0.0], [0.5], [0.1], [99.0]]),
+                                    [1, 2, 9, 4], np.zeros((4, 1)))
+    assert a == {"tokens_equal": False, "shared_prefix": 2, "steps": 4, "max_logits_diff": 0.5}
+    b = e2e_report.oracle_agreement([7, 7], np.ones((2, 3)), [7, 7], np.ones((2, 3)) * 1.5)
+    assert b["tokens_equal"] and b["shared_prefix"] == 2 and b["max_logits_diff"] == 0.5
+
+
+def test_evaluate_run_fp32_mismatch_fails_bf16_only_reports():
+    prompts = [list(p) for p in PROMPTS]
+    good = e2e_report.evaluate_run("x", {}, synthetic_result(), prompts, fake_oracle(), True, str)
+    assert good["ok"] and good["failures"] == [] and good["backend_summary"] == "triton x4"
+    assert good["control"]["agreeing"] == 4 and all(p["oracle"]["tokens_equal"] for p in good["prompts"])
+    assert [p["rank"] for p in good["prompts"]] == [0, 1, 2, 3, 0, 1]
+
+    bad = e2e_report.evaluate_run("x", {}, synthetic_result(wrong_prompt=5), prompts, fake_oracle(), True, str)
+    assert not bad["ok"] and bad["failures"] == ["prompt 5: tokens differ from the oracle after 2 of 5"]
+    assert bad["prompts"][5]["oracle"]["max_logits_diff"] == pytest.approx(0.25)
+
+    bf16 = e2e_report.evaluate_run("x", {}, synthetic_result(wrong_prompt=5), prompts, fake_oracle(), False, str)
+    assert bf16["ok"] and bf16["prompts"][5]["oracle"]["shared_prefix"] == 2
+
+
+def test_backend_fallbacks_and_control_disagreement():
+    result = synthetic_result(backends={1: "tilelang", 2: "tilelang"}, fallbacks={0: {"rms_norm": 3}, 3: {"rms_norm": 1, "rope": 2}})
+    result.records[3].completions[CONTROL_REQUEST_ID]["output_ids"] = [0, 0, 0, 0, 0]
+    run = e2e_report.evaluate_run("x", {}, result, [list(p) for p in PROMPTS], fake_oracle(), True, str)
+    assert run["backend_summary"] == "tilelang x2, triton x2"
+    assert run["op_fallbacks"] == {"rms_norm": 4, "rope": 2}
+    assert run["control"]["agreeing"] == 3 and "DP ranks agreeing on the control prompt: 3/4" in run["failures"]
+
+
+def test_markdown_and_compare():
+    prompts = [list(p) for p in PROMPTS]
+    a = e2e_report.evaluate_run("TileLang blocked", {}, synthetic_result(), prompts, fake_oracle(), True,
+                                lambda ids: "a|b\n" + str(ids[:1]))
+    b = e2e_report.evaluate_run("TileLang present", {}, synthetic_result(wrong_prompt=1), prompts, fake_oracle(), True,
+                                lambda ids: "x")
+    report = {"exit_code": 1, "failures": a["failures"] + b["failures"], "runs": [a, b], "json_path": "/tmp/r.json",
+              "compare": e2e_report.compare_runs(a, b),
+              "settings": {"ranks": 4, "dtype": "float32", "kv_cache": "auto", "device": "cpu"}}
+    cmp_rows = report["compare"]["prompts"]
+    assert [c["shared_prefix"] for c in cmp_rows] == [5, 2, 5, 5, 5, 5]
+    assert [c["tokens_equal"] for c in cmp_rows] == [True, False, True, True, True, True]
+    md = e2e_report.render_markdown(report)
+    assert "| | TileLang blocked | TileLang present |" in md
+    assert "| exit code | 1 | 1 |" in md
+    assert "| sparse MLA backend per rank | triton x4 | triton x4 |" in md
+    assert "| DP ranks agreeing (control prompt) | 4/4 | 4/4 |" in md
+    assert "| kernels served by the default backend (op fallbacks) | none | none |" in md
+    assert "| tokens/s per rank | r0 5.0, r1 5.0, r2 5.0, r3 5.0 |" in md
+    assert "a\\|b\\n" in md  # decoded text is escaped, one table row per prompt
+    row1 = next(line for line in md.splitlines() if line.startswith("| 1 | 1 |"))
+    assert "DIFFERENT (2/5" in row1 and row1.endswith("| 2/5 |")
+    assert "Failures:" in md and "- prompt 1: tokens differ from the oracle after 2 of 5" in md
+    assert md.rstrip().endswith("JSON: /tmp/r.json")

@@ -1,0 +1,311 @@
+"""The pure-Triton sparse MLA kernel (engine.h20_ops.vendor.flashmla_sparse) against the fp32 oracle.
+
+The same matrix runs on CPU (Triton interpreter) or, when CUDA is present, on the GPU with bf16
+tensor-core dots. Tolerances are FlashMLA's own (../shared/reference/sparse_mla_contract.md): out
+abs 8e-4 or rel 3.01/128 per element and cosine distance <= 7e-6; lse and max_logits abs 1e-6 or
+rel 2.01/65536; +inf/-inf/NaN positions exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.h20_ops.sparse_mla_ref import sparse_mla_prefill_ref
+from engine.h20_ops.vendor import flashmla_sparse
+from engine.h20_ops.vendor.flashmla_sparse import flash_mla_sparse_fwd
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+OUT_TOL = dict(abs_tol=8e-4, rel_tol=3.01 / 128, cos_tol=7e-6)
+STAT_TOL = dict(abs_tol=1e-6, rel_tol=2.01 / 65536)
+
+
+def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, *, abs_tol: float, rel_tol: float,
+                 cos_tol: float | None = None) -> None:
+    got, ref = got.double().cpu(), ref.double().cpu()
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    for kind, fn in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        mismatch = fn(got) != fn(ref)
+        assert not mismatch.any(), f"{name}: {kind} positions differ at {mismatch.nonzero()[:5].tolist()}"
+    finite = torch.isfinite(ref)
+    g, r = got[finite], ref[finite]
+    err = (g - r).abs()
+    bad = (err >= abs_tol) & (err / (r.abs() + 1e-6) >= rel_tol)
+    assert not bad.any(), (f"{name}: {int(bad.sum())} of {g.numel()} elements out of tolerance; "
+                           f"worst abs err {err.max().item():.3g}")
+    if cos_tol is not None and g.numel():
+        denom = (g * g + r * r).sum()
+        cos_dist = (1 - 2 * (g * r).sum() / denom).item() if denom > 0 else 0.0
+        assert cos_dist <= cos_tol, f"{name}: cosine distance {cos_dist:.3g} > {cos_tol}"
+
+
+def random_indices(gen: torch.Generator, s_q: int, s_kv: int, topk: int, n_valid: int,
+                   fillers: tuple[int, ...] = (-1,), distinct: bool = True) -> torch.Tensor:
+    """[s_q, 1, topk] int32: per row n_valid valid entries at random positions anywhere in the list
+    (distinct rows unless `distinct` is False), the other positions a random choice of `fillers`."""
+    idx = torch.tensor(fillers, dtype=torch.int64)[torch.randint(len(fillers), (s_q, topk), generator=gen)]
+    for row in range(s_q):
+        positions = torch.randperm(topk, generator=gen)[:n_valid]
+        if distinct:
+            values = torch.randperm(s_kv, generator=gen)[:n_valid]
+        else:
+            values = torch.randint(s_kv, (n_valid,), generator=gen)
+        idx[row, positions] = values
+    return idx.to(torch.int32)[:, None, :]
+
+
+def poison_unselected(kv: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """NaN (and some +-inf) in every kv row that no valid entry selects."""
+    s_kv = kv.size(0)
+    flat = indices.reshape(-1).long()
+    selected = torch.zeros(s_kv, dtype=torch.bool)
+    selected[flat[(flat >= 0) & (flat < s_kv)]] = True
+    kv = kv.clone()
+    unselected = (~selected).nonzero().flatten()
+    kv[unselected] = float("nan")
+    kv[unselected[::3]] = float("inf")
+    kv[unselected[1::3]] = float("-inf")
+    return kv
+
+
+def make_inputs(seed: int, s_q: int, h_q: int, d_qk: int, s_kv: int, dtype=torch.bfloat16, scale: float = 0.1):
+    """q, kv ~ scale * N(0, 1) + a random offset in +-scale/2: FlashMLA's test distribution at the
+    default scale, for which its tolerances are made (the kernel's P.V takes P in bf16)."""
+    gen = torch.Generator().manual_seed(seed)
+    offsets = (torch.rand(2, generator=gen) - 0.5) * scale
+    q = (torch.randn(s_q, h_q, d_qk, generator=gen) * scale + offsets[0]).to(dtype)
+    kv = (torch.randn(s_kv, 1, d_qk, generator=gen) * scale + offsets[1]).to(dtype)
+    return gen, q, kv
+
+
+def check_against_oracle(q, kv, indices, sm_scale, attn_sink=None, topk_length=None,
+                         out_tol=OUT_TOL, stat_tol=STAT_TOL):
+    q, kv, indices, attn_sink, topk_length = (None if t is None else t.to(DEVICE)
+                                              for t in (q, kv, indices, attn_sink, topk_length))
+    out, max_logits, lse = flash_mla_sparse_fwd(q, kv, indices, sm_scale, attn_sink=attn_sink,
+                                                topk_length=topk_length)
+    ref = sparse_mla_prefill_ref(q, kv, indices, sm_scale, attn_sink=attn_sink, topk_length=topk_length)
+    assert out.dtype == q.dtype and out.shape == ref.out.shape
+    assert max_logits.dtype == torch.float32 and lse.dtype == torch.float32
+    assert_close("out", out, ref.out, **out_tol)
+    assert_close("max_logits", max_logits, ref.max_logits, **stat_tol)
+    assert_close("lse", lse, ref.lse, **stat_tol)
+    return out.cpu(), max_logits.cpu(), lse.cpu(), ref
+
+
+@pytest.mark.parametrize("s_q", [1, 7, 62])
+@pytest.mark.parametrize("h_q,d_qk", [(64, 512), (128, 576), (128, 512), (64, 576)])
+def test_matches_oracle(s_q, h_q, d_qk):
+    s_kv, topk = 300, 100  # topk not a multiple of the kernel's block: the tail block is masked
+    gen, q, kv = make_inputs(s_q * 1000 + h_q + d_qk, s_q, h_q, d_qk, s_kv)
+    indices = random_indices(gen, s_q, s_kv, topk, n_valid=90, fillers=(-1, s_kv, INT32_MAX))
+    kv = poison_unselected(kv, indices)
+    sink = torch.randn(h_q, generator=gen)
+    check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=sink)
+
+
+def test_topk_larger_than_s_kv_valid_entries_spread():
+    """FlagGems 5.0.2 drops valid entries placed after position ~s_kv here."""
+    s_q, h_q, d_qk, s_kv, topk = 16, 64, 576, 128, 512
+    gen, q, kv = make_inputs(11, s_q, h_q, d_qk, s_kv)
+    indices = random_indices(gen, s_q, s_kv, topk, n_valid=100, fillers=(-1, s_kv, 5000))
+    assert (indices[:, 0, s_kv:] >= 0).logical_and(indices[:, 0, s_kv:] < s_kv).sum(dim=1).min() > 0
+    check_against_oracle(q, kv, indices, 0.07)
+
+
+@pytest.mark.parametrize("filler", [-1, INT32_MIN, -123456, "s_kv", INT32_MAX])
+def test_invalid_fillers_never_read(filler):
+    s_q, h_q, d_qk, s_kv, topk = 7, 64, 512, 96, 150
+    gen, q, kv = make_inputs(21, s_q, h_q, d_qk, s_kv)
+    filler = s_kv if filler == "s_kv" else filler
+    indices = random_indices(gen, s_q, s_kv, topk, n_valid=40, fillers=(filler,))
+    kv = poison_unselected(kv, indices)
+    out, _, _, _ = check_against_oracle(q, kv, indices, d_qk ** -0.5)
+    assert torch.isfinite(out.float()).all()
+
+
+def test_duplicate_indices_count_per_occurrence():
+    s_q, h_q, d_qk, s_kv, topk = 7, 128, 576, 20, 200
+    gen, q, kv = make_inputs(31, s_q, h_q, d_qk, s_kv)
+    indices = random_indices(gen, s_q, s_kv, topk, n_valid=150, fillers=(-1,), distinct=False)
+    out, _, lse, ref = check_against_oracle(q, kv, indices, d_qk ** -0.5)
+    # With duplicates, lse differs from the deduplicated one: the test can tell them apart.
+    dedup = indices.clone()
+    for row in range(s_q):
+        seen = set()
+        for j in range(topk):
+            v = int(dedup[row, 0, j])
+            if v in seen:
+                dedup[row, 0, j] = -1
+            seen.add(v)
+    assert (sparse_mla_prefill_ref(q, kv, dedup, d_qk ** -0.5).lse - ref.lse).abs().min() > 1e-3
+
+
+def test_topk_length_including_zero():
+    s_q, h_q, d_qk, s_kv, topk = 7, 64, 512, 200, 130
+    gen, q, kv = make_inputs(41, s_q, h_q, d_qk, s_kv)
+    indices = random_indices(gen, s_q, s_kv, topk, n_valid=topk, fillers=(-1,))
+    topk_length = torch.tensor([0, 1, 63, 64, 65, 130, 500], dtype=torch.int32)
+    # Entries past topk_length are still in range: only the length masks them. Poison what only they select.
+    kept = torch.where(torch.arange(topk)[None, :] < topk_length[:, None].long(), indices[:, 0, :], -1)
+    kv = poison_unselected(kv, kept[:, None, :])
+    sink = torch.randn(h_q, generator=gen)
+    out, max_logits, lse, _ = check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=sink,
+                                                   topk_length=topk_length)
+    assert (out[0].float() == 0).all() and torch.isneginf(max_logits[0]).all() and torch.isposinf(lse[0]).all()
+
+
+def test_sink_plus_minus_inf_and_finite():
+    s_q, h_q, d_qk, s_kv, topk = 7, 128, 512, 256, 128
+    gen, q, kv = make_inputs(51, s_q, h_q, d_qk, s_kv)
+    indices = random_indices(gen, s_q, s_kv, topk, n_valid=120, fillers=(-1, INT32_MIN))
+    sink = torch.randn(h_q, generator=gen) * 3
+    sink[0::3] = float("inf")
+    sink[1::3] = float("-inf")
+    out, max_logits, lse, _ = check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=sink)
+    assert (out[:, 0::3].float() == 0).all()
+    no_sink_out, no_sink_ml, no_sink_lse = flash_mla_sparse_fwd(q.to(DEVICE), kv.to(DEVICE), indices.to(DEVICE),
+                                                                d_qk ** -0.5)
+    assert torch.equal(out[:, 1::3], no_sink_out[:, 1::3].cpu())  # -inf sink: no effect at all
+    assert torch.equal(lse, no_sink_lse.cpu()) and torch.equal(max_logits, no_sink_ml.cpu())
+
+
+def test_empty_rows():
+    s_q, h_q, d_qk, s_kv, topk = 7, 64, 576, 64, 70
+    gen, q, kv = make_inputs(61, s_q, h_q, d_qk, s_kv)
+    indices = random_indices(gen, s_q, s_kv, topk, n_valid=30, fillers=(-1, s_kv))
+    indices[2:5] = torch.tensor([-1, INT32_MIN, s_kv], dtype=torch.int32)[torch.arange(topk) % 3]
+    kv = poison_unselected(kv, indices)
+    sink = torch.randn(h_q, generator=gen)
+    sink[::2] = float("inf")
+    out, max_logits, lse, _ = check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=sink)
+    assert (out[2:5].float() == 0).all()
+    assert torch.isneginf(max_logits[2:5]).all() and torch.isposinf(lse[2:5]).all()
+    assert torch.isfinite(lse[[0, 1, 5, 6]]).all()
+
+
+def test_empty_kv():
+    gen, q, _ = make_inputs(65, 3, 64, 512, 1)
+    kv = torch.empty(0, 1, 512, dtype=torch.bfloat16)
+    indices = torch.tensor([-1, 0, 5], dtype=torch.int32).repeat(3, 1, 11)
+    out, max_logits, lse, _ = check_against_oracle(q, kv, indices, 0.05)
+    assert (out.float() == 0).all() and torch.isposinf(lse).all()
+
+
+def test_non_contiguous_inputs():
+    s_q, h_q, d_qk, s_kv, topk = 7, 128, 576, 150, 90
+    gen = torch.Generator().manual_seed(71)
+    q = torch.randn(s_q + 2, h_q + 3, d_qk + 8, generator=gen).bfloat16()[1:-1, 2:-1, 4:-4]
+    kv = torch.randn(s_kv + 3, 2, d_qk + 16, generator=gen).bfloat16()[2:-1, 1:, 8:-8]
+    idx_full = random_indices(gen, s_q + 1, s_kv, topk + 5, n_valid=80, fillers=(-1, s_kv))
+    indices = idx_full.expand(s_q + 1, 2, topk + 5)[1:, 1:, 3:-2]
+    sink = torch.randn(2 * h_q, generator=gen)[::2]
+    topk_length = torch.randint(0, topk + 1, (2 * s_q,), generator=gen, dtype=torch.int32)[::2]
+    assert not (q.is_contiguous() or kv.is_contiguous() or indices.is_contiguous())
+    check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=sink, topk_length=topk_length)
+
+
+def test_two_dim_indices():
+    s_q, h_q, d_qk, s_kv, topk = 5, 64, 512, 80, 64
+    gen, q, kv = make_inputs(75, s_q, h_q, d_qk, s_kv)
+    indices = random_indices(gen, s_q, s_kv, topk, n_valid=50)[:, 0, :]
+    check_against_oracle(q, kv, indices, d_qk ** -0.5)
+
+
+def test_every_output_element_written(monkeypatch):
+    """Outputs come from torch.empty: make that NaN-filled so an unwritten element would show."""
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan"))
+
+    monkeypatch.setattr(flashmla_sparse.torch, "empty", poisoned_empty)
+    s_q, h_q, d_qk, s_kv, topk = 7, 128, 512, 100, 40
+    gen, q, kv = make_inputs(81, s_q, h_q, d_qk, s_kv)
+    indices = random_indices(gen, s_q, s_kv, topk, n_valid=30)
+    indices[3] = -1  # an empty row must be written too
+    check_against_oracle(q, kv, indices, d_qk ** -0.5)
+
+
+def test_float32_mode_is_exact():
+    """float32 q/kv (the engine's validation mode): no bf16 rounding anywhere, so much tighter."""
+    s_q, h_q, d_qk, s_kv, topk = 7, 64, 576, 200, 100
+    gen, q, kv = make_inputs(91, s_q, h_q, d_qk, s_kv, dtype=torch.float32)
+    indices = random_indices(gen, s_q, s_kv, topk, n_valid=90, fillers=(-1, INT32_MAX))
+    kv = poison_unselected(kv, indices)
+    sink = torch.randn(h_q, generator=gen)
+    tight = dict(abs_tol=1e-5, rel_tol=1e-4, cos_tol=1e-10)
+    check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=sink, out_tol=tight)
+
+
+def test_s_q_zero():
+    q = torch.empty(0, 64, 512, dtype=torch.bfloat16, device=DEVICE)
+    kv = torch.randn(4, 1, 512, device=DEVICE).bfloat16()
+    indices = torch.zeros(0, 1, 8, dtype=torch.int32, device=DEVICE)
+    out, max_logits, lse = flash_mla_sparse_fwd(q, kv, indices, 0.1)
+    assert out.shape == (0, 64, 512) and max_logits.shape == (0, 64) and lse.shape == (0, 64)
+
+
+def _valid_args():
+    q = torch.randn(2, 64, 512, device=DEVICE).bfloat16()
+    kv = torch.randn(8, 1, 512, device=DEVICE).bfloat16()
+    indices = torch.zeros(2, 1, 4, dtype=torch.int32, device=DEVICE)
+    return dict(q=q, kv=kv, indices=indices, sm_scale=0.1)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(q=lambda a: a["q"].half()), TypeError, "q: expected dtype"),
+    (dict(kv=lambda a: a["kv"].float()), TypeError, "kv: expected dtype"),
+    (dict(indices=lambda a: a["indices"].long()), TypeError, "indices: expected dtype"),
+    (dict(q=lambda a: a["q"][:, :32]), ValueError, "q: expected h_q"),
+    (dict(q=lambda a: torch.randn(2, 64, 640, device=DEVICE).bfloat16(),
+          kv=lambda a: torch.randn(8, 1, 640, device=DEVICE).bfloat16()), ValueError, "q: expected d_qk"),
+    (dict(kv=lambda a: a["kv"].expand(8, 2, 512)), ValueError, "kv: expected 1 kv head"),
+    (dict(kv=lambda a: a["kv"][..., :448]), ValueError, "kv: expected last dim"),
+    (dict(indices=lambda a: a["indices"][:1]), ValueError, "indices: expected 2 rows"),
+    (dict(indices=lambda a: a["indices"][..., :0]), ValueError, "indices: expected topk >= 1"),
+    (dict(sm_scale=lambda a: 0.0), ValueError, "sm_scale"),
+    (dict(d_v=lambda a: 256), ValueError, "d_v"),
+    (dict(q=lambda a: a["q"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "q: the last dim"),
+    (dict(attn_sink=lambda a: torch.zeros(32, device=DEVICE)), ValueError, "attn_sink: expected shape"),
+    (dict(attn_sink=lambda a: torch.zeros(64, device=DEVICE).double()), TypeError, "attn_sink: expected dtype"),
+    (dict(topk_length=lambda a: torch.zeros(2, dtype=torch.int64, device=DEVICE)), TypeError,
+     "topk_length: expected dtype"),
+    (dict(topk_length=lambda a: torch.zeros(3, dtype=torch.int32, device=DEVICE)), ValueError,
+     "topk_length: expected shape"),
+])
+def test_bad_input_raises_naming_the_argument(change, error, match):
+    args = _valid_args()
+    args.update({name: make(args) for name, make in change.items()})
+    with pytest.raises(error, match=match):
+        flash_mla_sparse_fwd(**args)
+
+
+@pytest.mark.gpu
+def test_cpu_tensors_rejected_on_gpu_machine():
+    args = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in _valid_args().items()}
+    with pytest.raises(ValueError, match="q: expected a CUDA tensor"):
+        flash_mla_sparse_fwd(**args)
+
+
+@pytest.mark.gpu
+def test_long_s_q_beyond_grid_axis_limit():
+    """s_q 70000 > 65535 (the limit of grid axes 1 and 2) with 64-bit offsets in play."""
+    s_q, h_q, d_qk, s_kv, topk = 70000, 128, 576, 1024, 64
+    gen, q, kv = make_inputs(101, s_q, h_q, d_qk, s_kv)
+    indices = random_indices(gen, s_q, s_kv, topk, n_valid=48, fillers=(-1, s_kv, INT32_MIN))
+    topk_length = torch.randint(0, topk + 1, (s_q,), generator=gen, dtype=torch.int32)
+    sink = torch.randn(h_q, generator=gen)
+    check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=sink, topk_length=topk_length)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_q,d_qk,topk", [(64, 512, 512), (128, 576, 2048)])
+def test_model_shapes_on_gpu(h_q, d_qk, topk):
+    s_q, s_kv = 64, 4096
+    gen, q, kv = make_inputs(111 + h_q, s_q, h_q, d_qk, s_kv)
+    indices = random_indices(gen, s_q, s_kv, topk, n_valid=topk - 7, fillers=(-1, s_kv))
+    kv = poison_unselected(kv, indices)
+    check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=torch.randn(h_q, generator=gen))

@@ -1,0 +1,221 @@
+"""The TileLang SM90 sparse MLA kernel (engine.h20_ops.sparse_mla_sm90).
+
+CPU: every kernel variant lowers and nvcc-compiles for an explicit sm_90a target (an API break in
+TileLang or a kernel error fails here), the generated source keeps the properties the contract
+relies on, a blocked TileLang makes the module import fail with ModuleNotFoundError, and bad
+arguments are rejected by name. GPU (@pytest.mark.gpu): results against the float32 oracle on
+adversarial inputs.
+"""
+
+import importlib
+import importlib.abc
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from engine.h20_ops.sparse_mla_ref import sparse_mla_prefill_ref
+
+tilelang = pytest.importorskip("tilelang", reason="tilelang is not installed (pip install '.[tilelang]')")
+
+MODULE = "engine.h20_ops.sparse_mla_sm90"
+NVCC = "/usr/local/bin/nvcc"
+VARIANTS = [(64, 512), (128, 512), (64, 576), (128, 576)]  # (h_q, d_qk): V4-Flash, V4-Pro, V3.2
+LOG2E = 1.0 / math.log(2.0)
+INVALID_FILLERS = (-1, -(2**31), -123456, 2**31 - 1)  # plus s_kv itself, added per case
+
+
+# ---------------------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.skipif(not os.path.exists(NVCC) and not os.environ.get("CUDA_HOME"),
+                    reason=f"nvcc is not installed ({NVCC}); TileLang cannot compile to a cubin")
+@pytest.mark.parametrize("h_q,d_qk", VARIANTS)
+def test_kernel_compiles_for_sm90a(h_q, d_qk):
+    from engine.h20_ops import sparse_mla_sm90 as sm90
+
+    kernel = tilelang.compile(sm90.sparse_mla_program(h_q, d_qk), target=sm90.SM90_TARGET,
+                              pass_configs=sm90._PASS_CONFIGS)
+    src = kernel.get_kernel_source()
+    # The gather zero-fills invalid rows (cp.async with source size 0) instead of reading them.
+    # One 16-byte chunk per 64 columns per thread and stage (two stages).
+    assert src.count("cp_async_gs_conditional<16>") == 2 * d_qk // 64
+    assert "mbarrier_cp_async_arrive_noinc" in src
+    assert "wgmma_ss" in src
+    assert "__launch_bounds__(384, 1)" in src
+    # s_q, s_kv and topk are runtime arguments (symbolic), not baked-in constants.
+    for name in ("int s_q", "int s_kv", "int topk"):
+        assert name in src
+
+
+class _BlockTileLang(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "tilelang" or fullname.startswith("tilelang."):
+            raise ModuleNotFoundError(f"No module named {fullname!r} (blocked by the test)", name=fullname)
+        return None
+
+
+def test_import_raises_module_not_found_without_tilelang():
+    saved = {name: mod for name, mod in sys.modules.items()
+             if name == MODULE or name == "tilelang" or name.startswith("tilelang.")}
+    blocker = _BlockTileLang()
+    for name in saved:
+        del sys.modules[name]
+    sys.meta_path.insert(0, blocker)
+    try:
+        with pytest.raises(ModuleNotFoundError) as err:
+            importlib.import_module(MODULE)
+        assert err.value.name == "tilelang"
+    finally:
+        sys.meta_path.remove(blocker)
+        sys.modules.pop(MODULE, None)
+        sys.modules.update(saved)
+
+
+def _small_inputs(dtype=torch.bfloat16, h_q=64, d_qk=512, device="cpu"):
+    q = torch.randn(4, h_q, d_qk, dtype=dtype, device=device)
+    kv = torch.randn(32, 1, d_qk, dtype=dtype, device=device)
+    idx = torch.randint(0, 32, (4, 8), dtype=torch.int32, device=device)
+    return q, kv, idx
+
+
+def test_rejects_float32_q():
+    from engine.h20_ops.sparse_mla_sm90 import sparse_mla_fwd_sm90
+
+    q, kv, idx = _small_inputs(torch.float32)
+    with pytest.raises(TypeError, match="^q: "):
+        sparse_mla_fwd_sm90(q, kv, idx, 0.04)
+
+
+def test_rejects_cpu_tensors():
+    from engine.h20_ops.sparse_mla_sm90 import sparse_mla_fwd_sm90
+
+    q, kv, idx = _small_inputs()
+    with pytest.raises(ValueError, match="^q: expected a CUDA tensor"):
+        sparse_mla_fwd_sm90(q, kv, idx, 0.04)
+
+
+@pytest.mark.parametrize("h_q,d_qk,bad", [(32, 512, "q"), (64, 640, "q")])
+def test_rejects_unsupported_shapes(h_q, d_qk, bad):
+    from engine.h20_ops.sparse_mla_sm90 import sparse_mla_fwd_sm90
+
+    q, kv, idx = _small_inputs(h_q=h_q, d_qk=d_qk)
+    with pytest.raises(ValueError, match=f"^{bad}: "):
+        sparse_mla_fwd_sm90(q, kv, idx, 0.04)
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+
+def _padded(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a tensor with padding on every dim (only the last dim stays dense)."""
+    big = torch.full([n + 3 for n in t.shape[:-1]] + [t.shape[-1] + 8], float("nan") if t.is_floating_point() else 7,
+                     dtype=t.dtype, device=t.device)
+    view = big[tuple(slice(1, 1 + n) for n in t.shape[:-1])][..., 4:4 + t.shape[-1]]
+    view.copy_(t)
+    return view
+
+
+def _case(s_q, s_kv, h_q, d_qk, topk, *, seed, invalid_frac=0.2, dup=False, lengths=False, sink=False,
+          strided=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    q = torch.randn(s_q, h_q, d_qk, generator=g, device=dev).to(torch.bfloat16)
+    kv = torch.randn(s_kv, 1, d_qk, generator=g, device=dev).to(torch.bfloat16)
+    if topk <= s_kv and not dup:
+        idx = torch.argsort(torch.rand(s_q, s_kv, generator=g, device=dev), dim=1)[:, :topk]
+    else:
+        idx = torch.randint(0, s_kv, (s_q, topk), generator=g, device=dev)
+    idx = idx.to(torch.int32)
+    fillers = torch.tensor(INVALID_FILLERS + (s_kv,), dtype=torch.int32, device=dev)
+    invalid = torch.rand(s_q, topk, generator=g, device=dev) < invalid_frac
+    pick = torch.randint(0, fillers.numel(), (s_q, topk), generator=g, device=dev)
+    idx = torch.where(invalid, fillers[pick], idx)
+    idx[0] = -1  # an empty row
+    # kv rows that no entry selects hold NaN: reading one (or weighting it by 0) poisons the output.
+    selected = torch.zeros(s_kv, dtype=torch.bool, device=dev)
+    ok = (idx >= 0) & (idx < s_kv)
+    selected[idx[ok].long()] = True
+    kv[~selected] = float("nan")
+    topk_length = None
+    if lengths:
+        topk_length = torch.randint(0, topk + 1, (s_q,), generator=g, device=dev, dtype=torch.int32)
+        topk_length[1 % s_q] = 0
+        # Entries past topk_length may be valid indices of NaN rows: they must stay unread.
+        beyond = torch.arange(topk, device=dev)[None, :] >= topk_length[:, None]
+        kv_nan_row = (~selected).nonzero()
+        if kv_nan_row.numel():
+            idx = torch.where(beyond, kv_nan_row[0, 0].to(torch.int32), idx)
+    attn_sink = None
+    if sink:
+        attn_sink = torch.randn(h_q, generator=g, device=dev) * 2
+        attn_sink[: h_q // 3] = float("inf")
+        attn_sink[h_q // 3: 2 * h_q // 3] = float("-inf")
+        attn_sink = attn_sink[torch.randperm(h_q, generator=g, device=dev)]
+    if strided:
+        q, kv, idx = _padded(q), _padded(kv), _padded(idx)
+    return q, kv, idx, attn_sink, topk_length
+
+
+def _check_against_oracle(q, kv, idx, attn_sink, topk_length, sm_scale):
+    from engine.h20_ops.sparse_mla_sm90 import sparse_mla_fwd_sm90
+
+    out, lse = sparse_mla_fwd_sm90(q, kv, idx, sm_scale, 512, attn_sink, topk_length)
+    ref = sparse_mla_prefill_ref(q, kv, idx, sm_scale, 512, attn_sink, topk_length)
+    assert out.dtype == torch.bfloat16 and out.shape == (q.shape[0], q.shape[1], 512)
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:2]
+    ref_lse2 = ref.lse * LOG2E
+    empty = torch.isinf(ref_lse2)
+    assert torch.equal(torch.isinf(lse), empty), "+inf lse (empty rows) must match exactly"
+    assert torch.all(lse[empty] == float("inf"))
+    assert torch.all(out[empty[:, :1].expand(-1, q.shape[1])] == 0), "empty rows must output exactly 0"
+    assert torch.isfinite(out.float()).all()
+    finite = ~empty
+    lse_err = (lse[finite] - ref_lse2[finite]).abs()
+    lse_tol = torch.maximum(torch.full_like(lse_err, 1e-5), ref_lse2[finite].abs() * (4.01 / 65536))
+    assert bool((lse_err <= lse_tol).all()), f"lse max err {lse_err.max().item():.3e}"
+    out_err = (out.float() - ref.out).abs()
+    out_tol = torch.maximum(torch.full_like(out_err, 8e-4), ref.out.abs() * (3.01 / 128))
+    assert bool((out_err <= out_tol).all()), f"out max err {out_err.max().item():.3e}"
+    a, b = out.double(), ref.out.double()
+    cos_dist = 1 - 2 * (a * b).sum() / (a * a + b * b).sum().clamp_min(1e-30)
+    assert cos_dist.item() < 7e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_q,d_qk", VARIANTS)
+@pytest.mark.parametrize("topk,s_kv,extras", [
+    (512, 2048, {}),
+    (100, 700, {"lengths": True}),  # topk not a multiple of 64
+    (1, 16, {}),
+    (640, 300, {"dup": True, "sink": True}),  # kv shorter than topk, duplicates
+    (256, 4096, {"sink": True, "lengths": True, "strided": True}),
+])
+def test_matches_oracle(h_q, d_qk, topk, s_kv, extras):
+    seed = hash((h_q, d_qk, topk, s_kv)) % 2**31
+    inputs = _case(37, s_kv, h_q, d_qk, topk, seed=seed, **extras)
+    _check_against_oracle(*inputs, sm_scale=1.0 / math.sqrt(d_qk))
+
+
+@pytest.mark.gpu
+def test_all_invalid_and_zero_lengths():
+    q, kv, idx, _, _ = _case(9, 128, 64, 512, 128, seed=3)
+    idx.fill_(-1)
+    out, lse = importlib.import_module(MODULE).sparse_mla_fwd_sm90(q, kv, idx, 0.05)
+    assert torch.all(out == 0) and torch.all(lse == float("inf"))
+    q, kv, idx, sink, _ = _case(9, 128, 64, 512, 128, seed=4, invalid_frac=0.0, sink=True)
+    zero = torch.zeros(9, dtype=torch.int32, device="cuda")
+    out, lse = importlib.import_module(MODULE).sparse_mla_fwd_sm90(q, kv, idx, 0.05, 512, sink, zero)
+    assert torch.all(out == 0) and torch.all(lse == float("inf"))
+
+
+@pytest.mark.gpu
+def test_no_recompile_for_new_lengths():
+    sm90 = importlib.import_module(MODULE)
+    _check_against_oracle(*_case(5, 200, 64, 512, 64, seed=11), sm_scale=0.04)
+    misses = sm90.compiled_kernel.cache_info().misses
+    for s_q, s_kv, topk in ((1, 1, 1), (130, 5000, 333), (2, 64, 2048)):
+        _check_against_oracle(*_case(s_q, s_kv, 64, 512, topk, seed=s_q), sm_scale=0.04)
+    assert sm90.compiled_kernel.cache_info().misses == misses
