@@ -104,13 +104,15 @@ class PagedRows:
 
     # --- rows ---------------------------------------------------------------------------
     def slots(self, rid: str, rows: torch.Tensor) -> torch.Tensor:
-        """Flat slot ids of the request's rows (int64 tensor, any shape; rows must be held)."""
+        """Flat slot ids (CPU int64, rows' shape) of the request's rows, which must be held."""
         table = torch.tensor(self._tables[rid], dtype=torch.int64)
         rows_cpu = rows.to("cpu", torch.int64)
+        if rows_cpu.numel() and int(rows_cpu.max()) >= table.numel() * self.page_size:
+            raise CacheCapacityError(f"{self.name}: request {rid!r} reads row {int(rows_cpu.max())} never written")
         pages = table[rows_cpu // self.page_size]
         if bool((pages < 0).any()):
             raise CacheCapacityError(f"{self.name}: request {rid!r} reads a released row")
-        return (pages * self.page_size + rows_cpu % self.page_size).to(self.layers[0].device)
+        return pages * self.page_size + rows_cpu % self.page_size
 
     def write(self, layer: int, rid: str, first_row: int, values: torch.Tensor) -> None:
         """Store values [n, row_dim] as the request's rows first_row .. first_row + n - 1."""
@@ -118,7 +120,7 @@ class PagedRows:
         if n == 0:
             return
         self._ensure(rid, first_row, first_row + n)
-        slots = self.slots(rid, torch.arange(first_row, first_row + n))
+        slots = self.slots(rid, torch.arange(first_row, first_row + n)).to(values.device)
         if self.fp8:
             ops.kv_quantize(self.layers[layer], slots, values.reshape(n, 1, self.row_dim).contiguous())
         else:
@@ -135,8 +137,9 @@ class PagedRows:
 
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Rows at slots [n] as [n, row_dim] in the store's dtype."""
-        out = torch.empty((1, slots.numel(), 1, self.row_dim), dtype=self.dtype, device=self.layers[0].device)
-        return self.gather(layer, slots.reshape(1, -1), out)[0, :, 0, :]
+        device = self.layers[0].device
+        out = torch.empty((1, slots.numel(), 1, self.row_dim), dtype=self.dtype, device=device)
+        return self.gather(layer, slots.reshape(1, -1).to(device), out)[0, :, 0, :]
 
     def roundtrip(self, values: torch.Tensor) -> torch.Tensor:
         """What reading values back after a write returns (fp8: quantized then dequantized), without

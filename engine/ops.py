@@ -8,9 +8,8 @@ op (fallback_counts()) and logged once per op and reason.
 
 Ops (each also named in fallback_counts()):
   rms_norm(x, weight=None, eps) over the last dim. Numerics as DeepSeek-V4 in transformers: fp32
-    statistics; weighted: (weight * x_normed) in fp32, cast once; weightless: the ref multiplies
-    in x's dtype (as transformers' unweighted norm does), Triton in fp32 then casts (identical for
-    fp32 inputs, within one rounding for bf16).
+    statistics; weighted: (weight * x_normed) in fp32, cast once; weightless: the factor
+    rsqrt(mean(x^2) + eps) is rounded to x's dtype, then multiplied (transformers' unweighted norm).
   rope(x, cos, sin, inverse=False): DeepSeek-V4's interleaved RoPE on the TRAILING 2 * cos.shape[-1]
     dims of each row (pairs (2i, 2i+1) rotated by angle i), leading (NoPE) dims copied; fp32 math,
     result in x's dtype. inverse=True rotates by the negated angle (transformers passes -sin), which
@@ -156,10 +155,11 @@ if triton is not None:
             cols = start + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols[None, :] < n_cols)
             x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = x * inv_rms[:, None]
             if HAS_WEIGHT:
                 w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-                y = y * w[None, :]
+                y = (x * inv_rms[:, None]) * w[None, :]
+            else:  # the reference rounds the factor to x's dtype before multiplying
+                y = x * inv_rms.to(out_ptr.dtype.element_ty).to(tl.float32)[:, None]
             tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

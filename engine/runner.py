@@ -63,6 +63,9 @@ class Engine:
         kv_cache_dtype: "auto" (rows in `dtype`) or "fp8" (MODEL1 layout). max_seq_len bounds
         prompt + max_new_tokens of every request and sizes the KV stores."""
         config.validate_all()
+        if config.use_nextn_decode():
+            raise NotImplementedError("DEEPINFER_USE_NEXTN_DECODE=1: NextN (MTP) speculative decoding is not "
+                                      "implemented by this engine; unset it or set it to 0")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         if dtype not in (torch.float32, torch.bfloat16):
@@ -133,9 +136,12 @@ class Engine:
             store.admit(request.request_id, need[name])
         return _Active(request, RequestState(request.request_id))
 
-    def _retire(self, active: _Active) -> Completion:
+    def _retire_pages(self, active: _Active) -> None:
         for store in self._live_stores().values():
             store.drop(active.request.request_id)
+
+    def _retire(self, active: _Active) -> Completion:
+        self._retire_pages(active)
         return Completion(active.request.request_id, active.output_ids, torch.stack(active.logits))
 
     # -- requests -----------------------------------------------------------------------------
@@ -168,21 +174,26 @@ class Engine:
         waiting = deque(requests)
         running: list[_Active] = []
         finished: dict[str, Completion] = {}
-        while waiting or running:
-            admitted = []
-            while waiting and len(running) + len(admitted) < self.max_batch_size and self._fits(waiting[0]):
-                admitted.append(self._admit(waiting.popleft()))
-            if admitted:
-                self._prefill(admitted)
-                running.extend(admitted)
-            elif running:
-                self._decode(running)
-            else:  # nothing runs and the head request can never fit: the stores are too small for it
-                raise RuntimeError(f"request {waiting[0].request_id!r} does not fit in empty KV stores "
-                                   f"(max_seq_len {self.max_seq_len})")
-            for active in [a for a in running if a.done]:
-                running.remove(active)
-                finished[active.request.request_id] = self._retire(active)
+        try:
+            while waiting or running:
+                admitted = []
+                while waiting and len(running) < self.max_batch_size and self._fits(waiting[0]):
+                    admitted.append(self._admit(waiting.popleft()))
+                    running.append(admitted[-1])
+                if admitted:
+                    self._prefill(admitted)
+                elif running:
+                    self._decode(running)
+                else:  # nothing runs and the head request can never fit: the stores are too small for it
+                    raise RuntimeError(f"request {waiting[0].request_id!r} does not fit in empty KV stores "
+                                       f"(max_seq_len {self.max_seq_len})")
+                for active in [a for a in running if a.done]:
+                    running.remove(active)
+                    finished[active.request.request_id] = self._retire(active)
+        except BaseException:
+            for active in running:  # give their pages back: the engine stays usable after a failure
+                self._retire_pages(active)
+            raise
         return [finished[r.request_id] for r in requests]
 
     def _step(self, batch: list[_Active], tokens: list[list[int]], *, prefill: bool) -> None:

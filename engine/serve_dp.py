@@ -250,6 +250,7 @@ def _rank_main(rank: int, job: DPJob, store_path: str, backend: str, deadline: f
     store = None
     group_ok = False
     try:
+        store = dist.FileStore(store_path, job.ranks)
         device = _rank_device(job.device_type, rank)
         record.device = str(device)
         if device.type == "cuda":
@@ -261,7 +262,6 @@ def _rank_main(rank: int, job: DPJob, store_path: str, backend: str, deadline: f
 
         config.validate_all()
         record.stage = "init"
-        store = dist.FileStore(store_path, job.ranks)
         # Init waits for every rank (gloo connects eagerly): it must give up by the deadline so that
         # the ranks that are present still report before the watchdog fires.
         dist.init_process_group(backend, store=store, rank=rank, world_size=job.ranks,

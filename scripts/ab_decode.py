@@ -125,6 +125,23 @@ def make_inputs(case: Case, seed: int, device, *, empty_slots: bool):
     return args, buf, caches
 
 
+def poison_unreferenced_rows(args: dict) -> None:
+    """NaN into every window row no valid entry selects (in the tensors the kernels get), so that an
+    invalid entry reaching the kernel as another request's row shows up as NaN."""
+    pairs = [("kv_windows", "indices", "topk_length")]
+    if "extra_kv_windows" in args:
+        pairs.append(("extra_kv_windows", "extra_indices", "extra_topk_length"))
+    for kv_name, idx_name, len_name in pairs:
+        kv, idx, lengths = args[kv_name], args[idx_name], args.get(len_name)
+        batch, rows = kv.shape[:2]
+        valid = (idx >= 0) & (idx < rows)
+        if lengths is not None:
+            valid &= torch.arange(idx.size(2), device=idx.device)[None, None, :] < lengths[:, None, None]
+        used = torch.zeros(batch, rows + 1, dtype=torch.bool, device=kv.device)
+        used.scatter_(1, torch.where(valid, idx, rows).view(batch, -1).long(), True)  # column `rows`: dummy
+        kv[~used[:, :rows]] = float("nan")
+
+
 def reference_rows(caches, width: int, extra: int) -> torch.Tensor:
     """The window buffer as the torch reference dequantizes it (fp32)."""
     parts = [kv_quant.dequantize_from_cache_ref(c, s, torch.float32) for c, s in caches]
@@ -248,6 +265,7 @@ def main() -> int:
         if not gather_ok:
             print(f"{case.name}: Triton gather != torch dequantization")
             all_ok = False
+        poison_unreferenced_rows(args)
         ref = sparse_mla_decode_ref(args["q"].float(), ref_rows[:, :case.width], args["indices"], D ** -0.5,
                                     attn_sink=args.get("attn_sink"), topk_length=args.get("topk_length"),
                                     extra_kv=ref_rows[:, case.width:] if case.extra else None,

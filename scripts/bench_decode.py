@@ -104,8 +104,8 @@ def main() -> int:
     sparse_mla.reset_resolution_for_tests()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     heads = 64
-    width, extra = (8, 16) if opts.small else (128, 512)
-    batches = (1, 2) if opts.small else (1, 8, 64, 128)
+    width, extra = (32, 96) if opts.small else (128, 512)
+    batches = (1,) if opts.small else (1, 8, 64, 128)
     hbm, gemm = device_rates(device, opts.small)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"device: {name}; torch {torch.__version__}; backend {sparse_mla.resolve_backend()}")

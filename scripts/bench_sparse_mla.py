@@ -59,10 +59,19 @@ SHAPES = {
     "longctx": Shape("long context s_kv65536", 4096, 65536, 64, 512, 512),
 }
 
+# Launch configurations timed by --sweep (block_k, num_warps, num_stages[, prefetch_indices]).
+# Triton's pipeliner gives the index load and the kv gather separate stages, so the gather is
+# prefetched (num_stages - 1) // 2 blocks ahead; with prefetch_indices (indices carried one
+# iteration ahead) it is num_stages - 1 blocks ahead, so (32, 8, 3, True) and (32, 8, 4, True) have
+# the prefetch distance of (32, 8, 5) and (32, 8, 7) with a third of the async copies
+# (docs/triton_kernel_notes.md). 8 warps keep the [64, 512] fp32 accumulator in registers.
+_PREFETCH_SWEEP = [KernelConfig(64, 8, 2, prefetch_indices=True), KernelConfig(32, 8, 3, prefetch_indices=True),
+                   KernelConfig(32, 8, 4, prefetch_indices=True)]
 SWEEP_CONFIGS = {
-    512: [KernelConfig(64, 8, 2), KernelConfig(64, 8, 3), KernelConfig(32, 8, 3), KernelConfig(32, 8, 4),
-          KernelConfig(64, 16, 3), KernelConfig(32, 16, 3)],
-    576: [KernelConfig(64, 8, 3), KernelConfig(32, 8, 3), KernelConfig(32, 8, 4), KernelConfig(64, 16, 3)],
+    512: [KernelConfig(64, 8, 2), KernelConfig(64, 8, 3), KernelConfig(32, 8, 5), KernelConfig(32, 8, 7),
+          *_PREFETCH_SWEEP],
+    576: [KernelConfig(64, 8, 2), KernelConfig(64, 8, 3), KernelConfig(32, 8, 5), KernelConfig(32, 8, 7),
+          *_PREFETCH_SWEEP],
 }
 
 
@@ -160,25 +169,25 @@ def main() -> int:
             failures += bad
             print(f"{head} | {name} | {ms:.3f} | {tflops:.1f} | {pct:.1f} | {err:.2e}{' FAIL' if bad else ''} |",
                   flush=True)
-        if args.sweep and key in ("v4flash512", "v32", "longctx"):
+        if args.sweep:
             for cfg in SWEEP_CONFIGS[shape.d_qk]:
                 def run(q, kv, indices, sm_scale, d_v, sink, cfg=cfg):
                     return flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, sink, config=cfg)
+                head_cfg = (f"| {shape.name} | {cfg.block_k} | {cfg.num_warps} | {cfg.num_stages} | "
+                            f"{'yes' if cfg.prefetch_indices else 'no'} | ")
                 try:
                     ms, tflops, pct, err = time_backend(run, shape, inputs, gemm)
-                    sweep_rows.append(f"| {shape.name} | {cfg.block_k} | {cfg.num_warps} | {cfg.num_stages} | "
-                                      f"{ms:.3f} | {tflops:.1f} | {err:.2e} |")
+                    sweep_rows.append(f"{head_cfg}{ms:.3f} | {tflops:.1f} | {err:.2e} |")
                 except Exception as exc:
-                    sweep_rows.append(f"| {shape.name} | {cfg.block_k} | {cfg.num_warps} | {cfg.num_stages} | "
-                                      f"failed: {str(exc).splitlines()[0][:80]} | | |")
+                    sweep_rows.append(f"{head_cfg}failed: {str(exc).splitlines()[0][:80]} | | |")
                 print(sweep_rows[-1], flush=True)
         del inputs
         torch.cuda.empty_cache()
     if sweep_rows:
         default = {d: default_config(torch.bfloat16, d) for d in SWEEP_CONFIGS}
         print(f"\nTriton launch sweep (defaults: {default})")
-        print("| shape | block_k | num_warps | num_stages | ms | TFLOP/s | max err vs oracle |")
-        print("|---|---|---|---|---|---|---|")
+        print("| shape | block_k | num_warps | num_stages | prefetch indices | ms | TFLOP/s | max err vs oracle |")
+        print("|---|---|---|---|---|---|---|---|")
         print("\n".join(sweep_rows))
     if failures:
         print(f"\n{failures} Triton failure(s)", file=sys.stderr)

@@ -7,6 +7,7 @@
 #       ml-dtypes, psutil, tqdm) for the target Python and platform, unpacks them into one site
 #       directory and writes OUTDIR/tilelang-0.1.15-cpXY-<platform>.tar.xz (xz -9).
 #       Default platform tags: manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64.
+#       PIP overrides the pip command (default "python3 -m pip"), e.g. PIP=".venv/bin/python -m pip".
 #   tilelang_bundle.sh install TARBALL DEST
 #       On the offline node: extracts the bundle into DEST and prints the PYTHONPATH line to use.
 #
@@ -28,7 +29,7 @@ TILELANG_PINS=(
 DEFAULT_PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64)
 
 usage() {
-  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 

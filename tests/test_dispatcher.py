@@ -128,17 +128,27 @@ def test_logged_once_per_process(fresh_process, caplog):
 
 @pytest.mark.parametrize("backend", ["ref", "triton"])
 def test_lse_is_base_2_whichever_backend(backend):
+    """Engine lse / the backend's own natural lse == log2(e) exactly (up to fp32 rounding): a missing
+    conversion (ratio 1) or an inverted one (ln 2) fails."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(7)
-    q = torch.randn(3, 64, 512, generator=gen).bfloat16()
-    kv = torch.randn(40, 1, 512, generator=gen).bfloat16()
-    idx = torch.randint(0, 40, (3, 16), generator=gen, dtype=torch.int32)
+    q = (torch.randn(3, 64, 512, generator=gen) * 0.1).bfloat16().to(device)
+    kv = (torch.randn(40, 1, 512, generator=gen) * 0.1).bfloat16().to(device)
+    idx = torch.randint(0, 40, (3, 16), generator=gen, dtype=torch.int32).to(device)
     idx[2] = -1  # empty row: +inf in both bases
-    out, lse2 = sparse_mla.sparse_mla_fwd(q, kv, idx, 0.05, backend=backend)
-    natural = sparse_mla_prefill_ref(q, kv, idx, 0.05).lse
+    out, lse2 = sparse_mla.sparse_mla_fwd(q, kv, idx, 3.0, backend=backend)
+    if backend == "triton":
+        from engine.h20_ops.vendor.flashmla_sparse import flash_mla_sparse_fwd
+        natural = flash_mla_sparse_fwd(q, kv, idx, 3.0)[2]
+    else:
+        natural = sparse_mla_prefill_ref(q, kv, idx, 3.0).lse
     assert out.dtype == torch.bfloat16 and lse2.dtype == torch.float32
+    assert natural[:2].abs().min() > 1.0  # a ratio far from 0/0
     ratio = (lse2[:2] / natural[:2]).double()
-    assert torch.allclose(ratio, torch.full_like(ratio, 1 / math.log(2)), rtol=1e-5)  # log2(e), not 1 or ln 2
+    assert torch.allclose(ratio, torch.full_like(ratio, 1 / math.log(2)), rtol=1e-6)
     assert torch.all(lse2[2] == math.inf)
+    oracle = sparse_mla_prefill_ref(q, kv, idx, 3.0).lse[:2] / math.log(2)
+    torch.testing.assert_close(lse2[:2], oracle, rtol=2.01 / 65536, atol=1e-6)
 
 
 def test_missing_tilelang_dependency_is_a_broken_install_not_absence(fresh_process):

@@ -44,15 +44,15 @@ def test_ci_command_report_json(tmp_path):
            "DEEPINFER_OPS_STRICT": "1", "DEEPINFER_USE_NEXTN_DECODE": "0"}
     env.pop("DEEPINFER_SPARSE_MLA_BACKEND", None)
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "h20_e2e_report.sh"), "--prompts", "8",
-                           "--max-new-tokens", "4", "--json", str(out), "--timeout", "420"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+                           "--max-new-tokens", "4", "--json", str(out), "--timeout", "840"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=960)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     report = json.loads(out.read_text())
     assert report["schema"] == e2e_report.SCHEMA
     assert report["exit_code"] == 0 and report["ok"] and report["failures"] == []
     (run,) = report["runs"]
     assert run["backend_summary"] == "triton x8"
-    assert all(r["backend"] == "triton" and "TileLang missing" in r["backend_reason"] for r in run["ranks"])
+    assert all(r["backend"] == "triton" and r["backend_reason"].startswith("auto") for r in run["ranks"])
     assert run["module_not_found_failures"] == 0
     assert run["op_fallbacks"] == {} and all(r["op_fallbacks"] == {} for r in run["ranks"])
     assert run["control"]["agreeing"] == 8 and run["control"]["ranks"] == 8
@@ -259,7 +259,7 @@ def test_markdown_and_compare():
     assert "| sparse MLA backend per rank | triton x4 | triton x4 |" in md
     assert "| DP ranks agreeing (control prompt) | 4/4 | 4/4 |" in md
     assert "| kernels served by the default backend (op fallbacks) | none | none |" in md
-    assert "| tokens/s per rank | r0 5.0, r1 5.0, r2 5.0, r3 5.0 |" in md
+    assert "| tokens/s per rank | r0 5, r1 5, r2 5, r3 5 | r0 5, r1 5, r2 5, r3 5 |" in md
     assert "a\\|b\\n" in md  # decoded text is escaped, one table row per prompt
     row1 = next(line for line in md.splitlines() if line.startswith("| 1 | 1 |"))
     assert "DIFFERENT (2/5" in row1 and row1.endswith("| 2/5 |")

@@ -216,3 +216,21 @@ def test_bad_inputs_name_the_argument():
         kq.gather_dequant(cache, slots[None, None], torch.empty(1, 2, 1, 512, device=DEVICE))
     with pytest.raises(ValueError, match="layout"):
         kq.new_fp8_kv_cache("MODEL1", 1, 1, DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", [kq.MODEL1, kq.V32], ids=lambda l: l.name)
+def test_gpu_many_tokens_byte_exact(layout):
+    """On the GPU (hardware casts in the torch reference, Triton's integer codec): 8192 tokens."""
+    block_size, num_blocks = 64, 160
+    n = 8192
+    kv = random_rows(n, layout.d, torch.bfloat16, seed=7).cuda()
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(8))[:n].int().cuda()
+    ref, tri = (kq.new_fp8_kv_cache(layout, num_blocks, block_size, "cuda") for _ in range(2))
+    kq.quantize_into_cache_ref(ref, slots, kv)
+    kq.quantize_into_cache(tri, slots, kv)
+    assert torch.equal(storage_bytes(ref), storage_bytes(tri))
+    table = slots.view(64, n // 64)
+    out = torch.empty(64, n // 64, 1, layout.d, dtype=torch.bfloat16, device="cuda")
+    kq.gather_dequant(tri, table, out)
+    assert torch.equal(out, kq.dequantize_from_cache_ref(ref, table, torch.bfloat16))

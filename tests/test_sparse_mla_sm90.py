@@ -10,7 +10,6 @@ adversarial inputs.
 import importlib
 import importlib.abc
 import math
-import os
 import sys
 
 import pytest
@@ -21,7 +20,6 @@ from engine.h20_ops.sparse_mla_ref import sparse_mla_prefill_ref
 tilelang = pytest.importorskip("tilelang", reason="tilelang is not installed (pip install '.[tilelang]')")
 
 MODULE = "engine.h20_ops.sparse_mla_sm90"
-NVCC = "/usr/local/bin/nvcc"
 VARIANTS = [(64, 512), (128, 512), (64, 576), (128, 576)]  # (h_q, d_qk): V4-Flash, V4-Pro, V3.2
 LOG2E = 1.0 / math.log(2.0)
 INVALID_FILLERS = (-1, -(2**31), -123456, 2**31 - 1)  # plus s_kv itself, added per case
@@ -30,18 +28,20 @@ INVALID_FILLERS = (-1, -(2**31), -123456, 2**31 - 1)  # plus s_kv itself, added 
 # ---------------------------------------------------------------------------------------- CPU
 
 
-@pytest.mark.skipif(not os.path.exists(NVCC) and not os.environ.get("CUDA_HOME"),
-                    reason=f"nvcc is not installed ({NVCC}); TileLang cannot compile to a cubin")
 @pytest.mark.parametrize("h_q,d_qk", VARIANTS)
 def test_kernel_compiles_for_sm90a(h_q, d_qk):
     from engine.h20_ops import sparse_mla_sm90 as sm90
 
     kernel = tilelang.compile(sm90.sparse_mla_program(h_q, d_qk), target=sm90.SM90_TARGET,
-                              pass_configs=sm90._PASS_CONFIGS)
+                              pass_configs=sm90.PASS_CONFIGS)
     src = kernel.get_kernel_source()
     # The gather zero-fills invalid rows (cp.async with source size 0) instead of reading them.
     # One 16-byte chunk per 64 columns per thread and stage (two stages).
     assert src.count("cp_async_gs_conditional<16>") == 2 * d_qk // 64
+    # Q arrives by cp.async too, and the only CTA-wide barrier is the one after mbarrier init
+    # (a T.copy of Q by all threads compiled to serialized 2-byte loads, ~40 us per CTA).
+    assert src.count("cp_async_gs<16>") == d_qk // 64
+    assert src.count("__syncthreads()") == 1
     assert "mbarrier_cp_async_arrive_noinc" in src
     assert "wgmma_ss" in src
     assert "__launch_bounds__(384, 1)" in src
@@ -176,12 +176,19 @@ def _check_against_oracle(q, kv, idx, attn_sink, topk_length, sm_scale):
     lse_err = (lse[finite] - ref_lse2[finite]).abs()
     lse_tol = torch.maximum(torch.full_like(lse_err, 1e-5), ref_lse2[finite].abs() * (4.01 / 65536))
     assert bool((lse_err <= lse_tol).all()), f"lse max err {lse_err.max().item():.3e}"
+    # FlashMLA's element bounds (abs 8e-4 or rel 3.01/128), widened to 2 bf16 ULP of the
+    # (row, head) vector's largest entry: with few valid entries P's bf16 rounding (relative 2^-9
+    # per term) exceeds the relative bound on entries that cancel to near 0.
     out_err = (out.float() - ref.out).abs()
-    out_tol = torch.maximum(torch.full_like(out_err, 8e-4), ref.out.abs() * (3.01 / 128))
+    vec_max = ref.out.abs().amax(dim=-1, keepdim=True).clamp_min(2.0**-126)
+    two_ulps = 2.0 * torch.exp2(torch.floor(torch.log2(vec_max)) - 7)
+    out_tol = torch.maximum(torch.maximum(torch.full_like(out_err, 8e-4), ref.out.abs() * (3.01 / 128)), two_ulps)
     assert bool((out_err <= out_tol).all()), f"out max err {out_err.max().item():.3e}"
     a, b = out.double(), ref.out.double()
-    cos_dist = 1 - 2 * (a * b).sum() / (a * a + b * b).sum().clamp_min(1e-30)
-    assert cos_dist.item() < 7e-6
+    norms = (a * a + b * b).sum()
+    if norms > 0:  # all rows empty: both are exactly 0, checked above
+        cos_dist = 1 - 2 * (a * b).sum() / norms
+        assert cos_dist.item() < 2e-5, f"cosine distance {cos_dist.item():.2e}"
 
 
 @pytest.mark.gpu

@@ -32,6 +32,8 @@ q's dtype (bf16), so a split result carries one more bf16 rounding of each parti
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -275,9 +277,14 @@ def _build_rows(indices, topk_length, width, extra_indices, extra_topk_length, e
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SM_COUNT
+
+
 def _choose_splits(n_rows: int, heads: int, list_len: int, device: torch.device) -> int:
     """Split only when the launch fills at most half of the SMs; chunks of >= SPLIT_GRANULE entries."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SM_COUNT
+    sms = _sm_count(device)
     programs = n_rows * -(-heads // HEADS_PER_PROGRAM)
     if 2 * programs > sms:
         return 1

@@ -34,8 +34,10 @@ PASS_CONFIGS = {"tl.enable_fast_math": True}  # exp2f -> ex2.approx.ftz.f32, as 
 TILELANG_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
-def _logit(buf, row, idx, n_vocab):
-    return T.if_then_else(idx < n_vocab, T.Cast("float32", buf[row, idx]), -T.infinity("float32"))
+def _logit(t_buf, t_row, d_buf, d_row, side, idx, n_vocab):
+    """Logit idx of the target row (side 0) or the draft row (side 1); -inf past the vocabulary."""
+    x = T.if_then_else(side == 0, T.Cast("float32", t_buf[t_row, idx]), T.Cast("float32", d_buf[d_row, idx]))
+    return T.if_then_else(idx < n_vocab, x, -T.infinity("float32"))
 
 
 def _weight(x, row_max, scale):
@@ -56,171 +58,156 @@ def _target(r, mass):
 
 
 
+
 # Per-thread scalar state lives in small local arrays (every thread holds the same values: they
-# come from all-reduces), addressed by these slots.
-# int64 slots
-HI, MID, TMP, RUN, CHUNK, BASE, LO, KEEP_T, MASS, TOK, ACC, T_T, T_MASS, D_T, D_MASS, RES_MASS, WT_X, WD_X = range(18)
-N_INT = 18
-# float32 slots
-F_MAX, F_BEST, F_TMAX, F_DMAX = range(4)
-N_FLOAT = 4
-# float64 slots
+# come from all-reduces), addressed by these slots; "+ side" selects target (0) or draft (1).
+(LO, HI, MID, PHASE, P_MASS, P_CNT, KEEP_T, _KEEP_T_DRAFT, MASS, _MASS_DRAFT, MODE, RUN, CHUNK, BASE, TOK, ACC,
+ WX, _WX_DRAFT, T_ROW, D_ROW) = range(20)
+N_INT = 20
+F_MAX, _F_MAX_DRAFT, F_BEST = range(3)
+N_FLOAT = 3
 D_NEED, D_LHS, D_RHS = range(3)
 N_DOUBLE = 3
+# Threshold search phases: 0 top-k bisection, 1 mass at t_k, 2 top-p bisection, 3 final mass, 4 done.
+THRESHOLD_PASSES = 2 * BISECT_STEPS + 2
 
 
 @T.macro
-def _row_max(buf, row, n_vocab, xs, red_f, fs, out):
-    fs[out] = -T.infinity("float32")
+def _row_max(t_buf, t_row, d_buf, d_row, side, n_vocab, xs, red_f, fs):
+    fs[F_MAX + side] = -T.infinity("float32")
     for c in T.serial(T.ceildiv(n_vocab, BLOCK_V)):
         for i in T.Parallel(BLOCK_V):
-            xs[i] = _logit(buf, row, c * BLOCK_V + i, n_vocab)
+            xs[i] = _logit(t_buf, t_row, d_buf, d_row, side, c * BLOCK_V + i, n_vocab)
         T.reduce_max(xs, red_f, dim=0)
-        fs[out] = T.max(fs[out], red_f[0])
+        fs[F_MAX + side] = T.max(fs[F_MAX + side], red_f[0])
 
 
 @T.macro
-def _row_argmax(buf, row, n_vocab, xs, ws, red_f, red_i, fs, ints, out):
-    """ints[out] = first index of the row maximum (0 for an all -inf row)."""
+def _row_argmax(t_buf, t_row, n_vocab, xs, ws, red_f, red_i, fs, ints):
+    """ints[TOK] = first index of the target row's maximum (0 for an all -inf row)."""
     fs[F_BEST] = -T.infinity("float32")
-    ints[out] = 0
+    ints[TOK] = 0
     for c in T.serial(T.ceildiv(n_vocab, BLOCK_V)):
         for i in T.Parallel(BLOCK_V):
-            xs[i] = _logit(buf, row, c * BLOCK_V + i, n_vocab)
+            xs[i] = _logit(t_buf, t_row, t_buf, t_row, 0, c * BLOCK_V + i, n_vocab)
         T.reduce_max(xs, red_f, dim=0)
         for i in T.Parallel(BLOCK_V):
             ws[i] = T.if_then_else(xs[i] == red_f[0], T.Cast("int64", c * BLOCK_V + i), T.Cast("int64", n_vocab))
         T.reduce_min(ws, red_i, dim=0)
         if red_f[0] > fs[F_BEST]:
             fs[F_BEST] = red_f[0]
-            ints[out] = red_i[0]
+            ints[TOK] = red_i[0]
 
 
 @T.macro
-def _fill_kept(buf, row, n_vocab, row_max, scale, t, c, ws):
-    for i in T.Parallel(BLOCK_V):
-        ws[i] = T.if_then_else(_weight(_logit(buf, row, c * BLOCK_V + i, n_vocab), row_max, scale) >= t,
-                               _weight(_logit(buf, row, c * BLOCK_V + i, n_vocab), row_max, scale), T.int64(0))
-
-
-@T.macro
-def _count_at_least(buf, row, n_vocab, row_max, scale, t, ws, red_i, ints, out):
-    ints[out] = 0
-    for c in T.serial(T.ceildiv(n_vocab, BLOCK_V)):
-        for i in T.Parallel(BLOCK_V):
-            ws[i] = T.if_then_else(_weight(_logit(buf, row, c * BLOCK_V + i, n_vocab), row_max, scale) >= t,
-                                   T.int64(1), T.int64(0))
-        T.reduce_sum(ws, red_i, dim=0)
-        ints[out] = ints[out] + red_i[0]
-
-
-@T.macro
-def _mass_at_least(buf, row, n_vocab, row_max, scale, t, ws, red_i, ints, out):
-    ints[out] = 0
-    for c in T.serial(T.ceildiv(n_vocab, BLOCK_V)):
-        _fill_kept(buf, row, n_vocab, row_max, scale, t, c, ws)
-        T.reduce_sum(ws, red_i, dim=0)
-        ints[out] = ints[out] + red_i[0]
-
-
-@T.macro
-def _kept_threshold(buf, row, n_vocab, row_max, scale, top_k, top_p, ws, red_i, ints, ds, out_t, out_mass):
-    """ints[out_t]: tokens with weight >= it survive top-k then top-p; ints[out_mass]: their mass."""
-    ints[out_t] = 0
+def _thresholds(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, top_k, top_p, ws, part, red_i, red_c, ints, ds,
+                fs):
+    """ints[KEEP_T + side] / ints[MASS + side]: weight threshold of top-k then top-p and the kept mass.
+    One masked pass per step: bisection for top-k (largest t with count(w >= t) >= k), the mass at
+    t_k, bisection for top-p (largest t with mass(w >= t) >= p * mass at t_k), the final mass."""
+    ints[LO] = 0
+    ints[HI] = WEIGHT_END
+    ints[PHASE] = 1
     if top_k > 0:
-        if top_k < n_vocab:  # largest t with count(w >= t) >= k
-            ints[HI] = WEIGHT_END
-            for _ in T.serial(BISECT_STEPS):
-                if ints[HI] - ints[out_t] > 1:
-                    ints[MID] = ints[out_t] + (ints[HI] - ints[out_t]) // 2
-                    _count_at_least(buf, row, n_vocab, row_max, scale, ints[MID], ws, red_i, ints, TMP)
-                    if ints[TMP] >= top_k:
-                        ints[out_t] = ints[MID]
-                    else:
-                        ints[HI] = ints[MID]
-    _mass_at_least(buf, row, n_vocab, row_max, scale, ints[out_t], ws, red_i, ints, out_mass)
-    if top_p < T.float32(1.0):  # largest t with mass(w >= t) >= p * (top-k mass)
-        ds[D_NEED] = T.Cast("float64", top_p) * T.Cast("float64", ints[out_mass])
-        ints[HI] = WEIGHT_END
-        for _ in T.serial(BISECT_STEPS):
-            if ints[HI] - ints[out_t] > 1:
-                ints[MID] = ints[out_t] + (ints[HI] - ints[out_t]) // 2
-                _mass_at_least(buf, row, n_vocab, row_max, scale, ints[MID], ws, red_i, ints, TMP)
-                if T.Cast("float64", ints[TMP]) >= ds[D_NEED]:
-                    ints[out_t] = ints[MID]
+        if top_k < n_vocab:
+            ints[PHASE] = 0
+    for _ in T.serial(THRESHOLD_PASSES):
+        if ints[PHASE] == 0:
+            if ints[HI] - ints[LO] <= 1:
+                ints[PHASE] = 1
+        if ints[PHASE] == 2:
+            if ints[HI] - ints[LO] <= 1:
+                ints[PHASE] = 3
+        if ints[PHASE] < 4:
+            ints[MID] = T.if_then_else(ints[PHASE] % 2 == 0, ints[LO] + (ints[HI] - ints[LO]) // 2, ints[LO])
+            ints[P_MASS] = 0
+            ints[P_CNT] = 0
+            for c in T.serial(T.ceildiv(n_vocab, BLOCK_V)):
+                for i in T.Parallel(BLOCK_V):
+                    w = _weight(_logit(t_buf, t_row, d_buf, d_row, side, c * BLOCK_V + i, n_vocab),
+                                fs[F_MAX + side], scale)
+                    ws[i] = T.if_then_else(w >= ints[MID], w, T.int64(0))
+                    part[i] = T.if_then_else(w >= ints[MID], T.int64(1), T.int64(0))
+                T.reduce_sum(ws, red_i, dim=0)
+                T.reduce_sum(part, red_c, dim=0)
+                ints[P_MASS] = ints[P_MASS] + red_i[0]
+                ints[P_CNT] = ints[P_CNT] + red_c[0]
+            if ints[PHASE] == 0:
+                if ints[P_CNT] >= top_k:
+                    ints[LO] = ints[MID]
                 else:
                     ints[HI] = ints[MID]
-        _mass_at_least(buf, row, n_vocab, row_max, scale, ints[out_t], ws, red_i, ints, out_mass)
-
-
-@T.macro
-def _scan_chunk(ws, red_i, c, target, ints):
-    """One chunk of a pick's scan: remember the first chunk whose end prefix exceeds target."""
-    T.reduce_sum(ws, red_i, dim=0)
-    if ints[CHUNK] < 0:
-        if ints[RUN] + red_i[0] > target:
-            ints[CHUNK] = c
-            ints[BASE] = ints[RUN]
-    ints[RUN] = ints[RUN] + red_i[0]
-
-
-@T.macro
-def _pick_in_chunk(ws, part, red_i, target, ints, out):
-    """ints[out] = chunk * BLOCK_V + smallest i with base + sum(ws[:i + 1]) > target."""
-    ints[LO] = -1
-    ints[HI] = BLOCK_V - 1
-    for _ in T.serial(LOG2_BLOCK_V):
-        if ints[HI] - ints[LO] > 1:
-            ints[MID] = (ints[LO] + ints[HI]) // 2
-            for i in T.Parallel(BLOCK_V):
-                part[i] = T.if_then_else(i <= ints[MID], ws[i], T.int64(0))
-            T.reduce_sum(part, red_i, dim=0)
-            if ints[BASE] + red_i[0] > target:
-                ints[HI] = ints[MID]
+            elif ints[PHASE] == 1:
+                ints[MASS + side] = ints[P_MASS]
+                ints[PHASE] = 4
+                if top_p < T.float32(1.0):
+                    ds[D_NEED] = T.Cast("float64", top_p) * T.Cast("float64", ints[P_MASS])
+                    ints[HI] = WEIGHT_END
+                    ints[PHASE] = 2
+            elif ints[PHASE] == 2:
+                if T.Cast("float64", ints[P_MASS]) >= ds[D_NEED]:
+                    ints[LO] = ints[MID]
+                else:
+                    ints[HI] = ints[MID]
             else:
-                ints[LO] = ints[MID]
-    ints[out] = ints[CHUNK] * BLOCK_V + ints[HI]
+                ints[MASS + side] = ints[P_MASS]
+                ints[PHASE] = 4
+    ints[KEEP_T + side] = ints[LO]
 
 
 @T.macro
-def _pick_kept(buf, row, n_vocab, row_max, scale, t, mass, r, ws, part, red_i, ints, out):
-    """ints[out] = the kept token chosen by draw r (-1 if mass == 0)."""
-    ints[out] = -1
-    if mass > 0:
+def _fill_values(t_buf, t_row, d_buf, d_row, n_vocab, scale, c, ints, fs, ws):
+    """Chunk c of the pick distribution: mode 0 kept target weights; mode 1 the fixed-point (2^-32)
+    residual max(p_t - p_d, 0)."""
+    for i in T.Parallel(BLOCK_V):
+        wt = _weight(_logit(t_buf, t_row, d_buf, d_row, 0, c * BLOCK_V + i, n_vocab), fs[F_MAX], scale)
+        kt = T.if_then_else(wt >= ints[KEEP_T], wt, T.int64(0))
+        wd = _weight(_logit(t_buf, t_row, d_buf, d_row, 1, c * BLOCK_V + i, n_vocab), fs[F_MAX + 1], scale)
+        kd = T.if_then_else(wd >= ints[KEEP_T + 1], wd, T.int64(0))
+        res = _prob(kt, ints[MASS]) - _prob(kd, ints[MASS + 1])
+        ws[i] = T.if_then_else(ints[MODE] == 1,
+                               T.Cast("int64", T.floor(T.max(res, T.float64(0)) * T.float64(TWO_POW_32))), kt)
+
+
+@T.macro
+def _pick(t_buf, t_row, d_buf, d_row, n_vocab, scale, r, ws, part, red_i, ints, fs):
+    """ints[TOK] = first index whose prefix of the ints[MODE] distribution exceeds _target(r, mass);
+    a residual without mass falls back to the kept target weights; -1 if nothing has mass."""
+    ints[P_MASS] = 0
+    for c in T.serial(T.ceildiv(n_vocab, BLOCK_V)):
+        _fill_values(t_buf, t_row, d_buf, d_row, n_vocab, scale, c, ints, fs, ws)
+        T.reduce_sum(ws, red_i, dim=0)
+        ints[P_MASS] = ints[P_MASS] + red_i[0]
+    if ints[P_MASS] == 0:
+        ints[MODE] = 0
+        ints[P_MASS] = ints[MASS]
+    ints[TOK] = -1
+    if ints[P_MASS] > 0:
         ints[RUN] = 0
         ints[CHUNK] = -1
         for c in T.serial(T.ceildiv(n_vocab, BLOCK_V)):
-            _fill_kept(buf, row, n_vocab, row_max, scale, t, c, ws)
-            _scan_chunk(ws, red_i, c, _target(r, mass), ints)
-        _fill_kept(buf, row, n_vocab, row_max, scale, t, ints[CHUNK], ws)
-        _pick_in_chunk(ws, part, red_i, _target(r, mass), ints, out)
-
-
-@T.macro
-def _sample_row(buf, row, n_vocab, scale, top_k, top_p, r, xs, ws, part, red_f, red_i, ints, fs, ds, out):
-    """ints[out] = the token sampled from row `row` with draw r (greedy when scale <= 0)."""
-    if scale > 0:
-        _row_max(buf, row, n_vocab, xs, red_f, fs, F_MAX)
-        _kept_threshold(buf, row, n_vocab, fs[F_MAX], scale, top_k, top_p, ws, red_i, ints, ds, KEEP_T, MASS)
-        _pick_kept(buf, row, n_vocab, fs[F_MAX], scale, ints[KEEP_T], ints[MASS], r, ws, part, red_i, ints, out)
-    else:
-        _row_argmax(buf, row, n_vocab, xs, ws, red_f, red_i, fs, ints, out)
-
-
-@T.macro
-def _fill_residual(t_buf, t_row, d_buf, d_row, n_vocab, scale, c, ints, fs, ws):
-    """Chunk c of the fixed-point (2^-32) residual max(p_t - p_d, 0)."""
-    for i in T.Parallel(BLOCK_V):
-        ws[i] = T.Cast("int64", T.floor(T.max(
-            _prob(T.if_then_else(
-                _weight(_logit(t_buf, t_row, c * BLOCK_V + i, n_vocab), fs[F_TMAX], scale) >= ints[T_T],
-                _weight(_logit(t_buf, t_row, c * BLOCK_V + i, n_vocab), fs[F_TMAX], scale), T.int64(0)),
-                ints[T_MASS])
-            - _prob(T.if_then_else(
-                _weight(_logit(d_buf, d_row, c * BLOCK_V + i, n_vocab), fs[F_DMAX], scale) >= ints[D_T],
-                _weight(_logit(d_buf, d_row, c * BLOCK_V + i, n_vocab), fs[F_DMAX], scale), T.int64(0)),
-                ints[D_MASS]),
-            T.float64(0)) * T.float64(TWO_POW_32)))
+            _fill_values(t_buf, t_row, d_buf, d_row, n_vocab, scale, c, ints, fs, ws)
+            T.reduce_sum(ws, red_i, dim=0)
+            if ints[CHUNK] < 0:
+                if ints[RUN] + red_i[0] > _target(r, ints[P_MASS]):
+                    ints[CHUNK] = c
+                    ints[BASE] = ints[RUN]
+            ints[RUN] = ints[RUN] + red_i[0]
+        # inside the chunk: smallest i with base + sum(ws[:i + 1]) > target, by bisection on i
+        _fill_values(t_buf, t_row, d_buf, d_row, n_vocab, scale, ints[CHUNK], ints, fs, ws)
+        ints[LO] = -1
+        ints[HI] = BLOCK_V - 1
+        for _ in T.serial(LOG2_BLOCK_V):
+            if ints[HI] - ints[LO] > 1:
+                ints[MID] = (ints[LO] + ints[HI]) // 2
+                for i in T.Parallel(BLOCK_V):
+                    part[i] = T.if_then_else(i <= ints[MID], ws[i], T.int64(0))
+                T.reduce_sum(part, red_i, dim=0)
+                if ints[BASE] + red_i[0] > _target(r, ints[P_MASS]):
+                    ints[HI] = ints[MID]
+                else:
+                    ints[LO] = ints[MID]
+        ints[TOK] = ints[CHUNK] * BLOCK_V + ints[HI]
 
 
 def _kept_weight_at(buf, row, x, n_vocab, row_max, scale, t):
@@ -231,16 +218,11 @@ def _kept_weight_at(buf, row, x, n_vocab, row_max, scale, t):
 
 
 def _scratch():
-    xs = T.alloc_fragment((BLOCK_V,), "float32")
-    ws = T.alloc_fragment((BLOCK_V,), "int64")
-    part = T.alloc_fragment((BLOCK_V,), "int64")
-    red_f = T.alloc_fragment((1,), "float32")
-    red_i = T.alloc_fragment((1,), "int64")
-    ints = T.alloc_local((N_INT,), "int64")
-    fs = T.alloc_local((N_FLOAT,), "float32")
-    ds = T.alloc_local((N_DOUBLE,), "float64")
-    rs = T.alloc_local((1,), "uint32")
-    return xs, ws, part, red_f, red_i, ints, fs, ds, rs
+    return (T.alloc_fragment((BLOCK_V,), "float32"), T.alloc_fragment((BLOCK_V,), "int64"),
+            T.alloc_fragment((BLOCK_V,), "int64"), T.alloc_fragment((1,), "float32"),
+            T.alloc_fragment((1,), "int64"), T.alloc_fragment((1,), "int64"), T.alloc_local((N_INT,), "int64"),
+            T.alloc_local((N_FLOAT,), "float32"), T.alloc_local((N_DOUBLE,), "float64"),
+            T.alloc_local((1,), "uint32"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -251,8 +233,8 @@ def greedy_kernel(dtype: str):
     @T.prim_func
     def fused_greedy(logits: T.Tensor((n_rows, n_vocab), dtype), out: T.Tensor((n_rows,), "int64")):
         with T.Kernel(n_rows, threads=THREADS) as b:
-            xs, ws, part, red_f, red_i, ints, fs, ds, rs = _scratch()
-            _row_argmax(logits, b, n_vocab, xs, ws, red_f, red_i, fs, ints, TOK)
+            xs, ws, part, red_f, red_i, red_c, ints, fs, ds, rs = _scratch()
+            _row_argmax(logits, b, n_vocab, xs, ws, red_f, red_i, fs, ints)
             out[b] = ints[TOK]
 
     return fused_greedy
@@ -269,11 +251,17 @@ def sample_kernel(dtype: str, draw: int):
                      top_ks: T.Tensor((n_rows,), "int64"), top_ps: T.Tensor((n_rows,), "float32"),
                      out: T.Tensor((n_rows,), "int64")):
         with T.Kernel(n_rows, threads=THREADS) as b:
-            xs, ws, part, red_f, red_i, ints, fs, ds, rs = _scratch()
-            T.rng_init(seeds[b], positions[b], draw)
-            rs[0] = T.rng_rand()
-            _sample_row(logits, b, n_vocab, scales[b], top_ks[b], top_ps[b], rs[0], xs, ws, part, red_f, red_i,
-                        ints, fs, ds, TOK)
+            xs, ws, part, red_f, red_i, red_c, ints, fs, ds, rs = _scratch()
+            if scales[b] > 0:
+                T.rng_init(seeds[b], positions[b], draw)
+                rs[0] = T.rng_rand()
+                _row_max(logits, b, logits, b, 0, n_vocab, xs, red_f, fs)
+                _thresholds(logits, b, logits, b, 0, n_vocab, scales[b], top_ks[b], top_ps[b], ws, part, red_i,
+                            red_c, ints, ds, fs)
+                ints[MODE] = 0
+                _pick(logits, b, logits, b, n_vocab, scales[b], rs[0], ws, part, red_i, ints, fs)
+            else:
+                _row_argmax(logits, b, n_vocab, xs, ws, red_f, red_i, fs, ints)
             out[b] = ints[TOK]
 
     return fused_sample
@@ -296,78 +284,63 @@ def rejection_kernel(dtype: str):
                         out_tokens: T.Tensor((n_rows, n_draft + 1), "int64"),
                         out_accepted: T.Tensor((n_rows,), "int64")):
         with T.Kernel(n_rows, threads=THREADS) as b:
-            xs, ws, part, red_f, red_i, ints, fs, ds, rs = _scratch()
+            xs, ws, part, red_f, red_i, red_c, ints, fs, ds, rs = _scratch()
             ints[ACC] = -1  # -1: still accepting
-            for j in T.serial(n_draft):
+            # Step j < n_draft verifies draft j; step n_draft draws the bonus token.
+            for j in T.serial(n_draft + 1):
                 if ints[ACC] < 0:
+                    # Row numbers live in registers: data-dependent indices keep TileLang's index
+                    # analysis (and so the compile time) small.
+                    ints[T_ROW] = b * (n_draft + 1) + j
+                    ints[D_ROW] = b * n_draft + T.min(j, n_draft - 1)
                     if scales[b] > 0:
-                        _row_max(target, b * (n_draft + 1) + j, n_vocab, xs, red_f, fs, F_TMAX)
-                        _kept_threshold(target, b * (n_draft + 1) + j, n_vocab, fs[F_TMAX], scales[b], top_ks[b],
-                                        top_ps[b], ws, red_i, ints, ds, T_T, T_MASS)
-                        _row_max(draft, b * n_draft + j, n_vocab, xs, red_f, fs, F_DMAX)
-                        _kept_threshold(draft, b * n_draft + j, n_vocab, fs[F_DMAX], scales[b], top_ks[b],
-                                        top_ps[b], ws, red_i, ints, ds, D_T, D_MASS)
-                        ints[WT_X] = _kept_weight_at(target, b * (n_draft + 1) + j, draft_tokens[b, j], n_vocab,
-                                                     fs[F_TMAX], scales[b], ints[T_T])
-                        ints[WD_X] = _kept_weight_at(draft, b * n_draft + j, draft_tokens[b, j], n_vocab,
-                                                     fs[F_DMAX], scales[b], ints[D_T])
-                        # accept iff u < p_t(x) / p_d(x), u = r / 2^32, cross-multiplied: products only.
-                        T.rng_init(seeds[b], positions[b] + j, DRAW_ACCEPT)
-                        rs[0] = T.rng_rand()
-                        ds[D_LHS] = (T.Cast("float64", rs[0]) * T.Cast("float64", ints[WD_X])
-                                     * T.Cast("float64", ints[T_MASS]))
-                        ds[D_RHS] = (T.Cast("float64", ints[WT_X]) * T.Cast("float64", ints[D_MASS])
-                                     * T.float64(TWO_POW_32))
-                        if ds[D_LHS] < ds[D_RHS]:
-                            out_tokens[b, j] = draft_tokens[b, j]
-                        else:
+                        for side in T.serial(T.if_then_else(j < n_draft, 2, 1)):
+                            _row_max(target, ints[T_ROW], draft, ints[D_ROW], side, n_vocab, xs, red_f, fs)
+                            _thresholds(target, ints[T_ROW], draft, ints[D_ROW], side, n_vocab, scales[b], top_ks[b],
+                                        top_ps[b], ws, part, red_i, red_c, ints, ds, fs)
+                        ints[MODE] = 0
+                        if j < n_draft:
+                            ints[WX] = _kept_weight_at(target, ints[T_ROW], draft_tokens[b, j], n_vocab, fs[F_MAX],
+                                                       scales[b], ints[KEEP_T])
+                            ints[WX + 1] = _kept_weight_at(draft, ints[D_ROW], draft_tokens[b, j], n_vocab,
+                                                           fs[F_MAX + 1], scales[b], ints[KEEP_T + 1])
+                            # accept iff u < p_t(x) / p_d(x), u = r / 2^32, cross-multiplied: products only.
+                            T.rng_init(seeds[b], positions[b] + j, DRAW_ACCEPT)
+                            rs[0] = T.rng_rand()
+                            ds[D_LHS] = (T.Cast("float64", rs[0]) * T.Cast("float64", ints[WX + 1])
+                                         * T.Cast("float64", ints[MASS]))
+                            ds[D_RHS] = (T.Cast("float64", ints[WX]) * T.Cast("float64", ints[MASS + 1])
+                                         * T.float64(TWO_POW_32))
+                            ints[MODE] = 1
+                            if ds[D_LHS] < ds[D_RHS]:
+                                out_tokens[b, j] = draft_tokens[b, j]
+                                ints[MODE] = 2  # accepted: nothing to draw
+                        if ints[MODE] < 2:  # a rejection (residual) or the bonus token (kept target)
                             T.rng_init(seeds[b], positions[b] + j, DRAW_SAMPLE)
                             rs[0] = T.rng_rand()
-                            ints[RES_MASS] = 0
-                            for c in T.serial(T.ceildiv(n_vocab, BLOCK_V)):
-                                _fill_residual(target, b * (n_draft + 1) + j, draft, b * n_draft + j, n_vocab,
-                                               scales[b], c, ints, fs, ws)
-                                T.reduce_sum(ws, red_i, dim=0)
-                                ints[RES_MASS] = ints[RES_MASS] + red_i[0]
-                            if ints[RES_MASS] > 0:
-                                ints[RUN] = 0
-                                ints[CHUNK] = -1
-                                for c in T.serial(T.ceildiv(n_vocab, BLOCK_V)):
-                                    _fill_residual(target, b * (n_draft + 1) + j, draft, b * n_draft + j, n_vocab,
-                                                   scales[b], c, ints, fs, ws)
-                                    _scan_chunk(ws, red_i, c, _target(rs[0], ints[RES_MASS]), ints)
-                                _fill_residual(target, b * (n_draft + 1) + j, draft, b * n_draft + j, n_vocab,
-                                               scales[b], ints[CHUNK], ints, fs, ws)
-                                _pick_in_chunk(ws, part, red_i, _target(rs[0], ints[RES_MASS]), ints, TOK)
-                            else:  # p_t == p_d leaves no residual: sample p_t itself
-                                _pick_kept(target, b * (n_draft + 1) + j, n_vocab, fs[F_TMAX], scales[b], ints[T_T],
-                                           ints[T_MASS], rs[0], ws, part, red_i, ints, TOK)
+                            _pick(target, ints[T_ROW], draft, ints[D_ROW], n_vocab, scales[b], rs[0], ws, part, red_i,
+                                  ints, fs)
                             out_tokens[b, j] = ints[TOK]
                             ints[ACC] = j
                     else:
-                        _row_argmax(target, b * (n_draft + 1) + j, n_vocab, xs, ws, red_f, red_i, fs, ints, TOK)
+                        _row_argmax(target, ints[T_ROW], n_vocab, xs, ws, red_f, red_i, fs, ints)
                         out_tokens[b, j] = ints[TOK]
-                        if ints[TOK] != draft_tokens[b, j]:
+                        if j == n_draft:
                             ints[ACC] = j
-            if ints[ACC] < 0:
-                T.rng_init(seeds[b], positions[b] + n_draft, DRAW_SAMPLE)
-                rs[0] = T.rng_rand()
-                _sample_row(target, b * (n_draft + 1) + n_draft, n_vocab, scales[b], top_ks[b], top_ps[b], rs[0], xs,
-                            ws, part, red_f, red_i, ints, fs, ds, TOK)
-                out_tokens[b, n_draft] = ints[TOK]
-                ints[ACC] = n_draft
+                        elif ints[TOK] != draft_tokens[b, j]:
+                            ints[ACC] = j
             out_accepted[b] = ints[ACC]
 
     return fused_rejection
 
 
-def compile_kernel(prim_func, target="auto"):
-    """JIT-compile one prim_func (cached by TileLang); target "auto" probes the GPU."""
-    return tilelang.compile(prim_func, target=target, pass_configs=PASS_CONFIGS)
+def compile_kernel(prim_func, target="auto", compile_flags=None):
+    """JIT-compile one prim_func (TileLang caches it on disk); target "auto" probes the GPU."""
+    return tilelang.compile(prim_func, target=target, pass_configs=PASS_CONFIGS, compile_flags=compile_flags)
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(kind: str, dtype: str, draw: int | None = None):
+def _compiled(kind: str, dtype: str, draw: int = DRAW_SAMPLE):
     if kind == "greedy":
         return compile_kernel(greedy_kernel(dtype))
     if kind == "sample":

@@ -13,9 +13,10 @@ Numerics: bf16 operands, fp32 accumulators (QK^T and PV on wgmma), fp32 online s
 (scores scaled by sm_scale * log2(e)); P is rounded to bf16 for the PV product.
 
 Schedule (one CTA = one query row x 64 heads, 384 threads, hand-written warp specialization):
-  producer warpgroup: reads 64 indices per step, tests validity, gathers the rows with predicated
-    cp.async (an invalid entry zero-fills its row, source size 0, so it never reads kv) into a
-    2-stage shared ring, signals `k_ready[stage]` with cp.async.mbarrier.arrive;
+  producer warpgroup: first gathers Q with cp.async (covered by the first k_ready arrival); per
+    step reads 64 indices, tests validity, gathers the rows with predicated cp.async (an invalid
+    entry zero-fills its row, source size 0, so it never reads kv) into a 2-stage shared ring,
+    signals `k_ready[stage]` with cp.async.mbarrier.arrive;
   consumer 0: S = Q K^T (wgmma), masks invalid entries to -inf, online softmax, publishes P (bf16)
     and the rescale factor through shared memory, accumulates O[:, :256] += P V[:, :256];
   consumer 1: accumulates O[:, 256:] += P V[:, 256:] with consumer 0's P and factor.
@@ -44,7 +45,7 @@ HEADS_PER_CTA = 64
 BLOCK_TOPK = 64  # top-k entries per pipeline step
 LOG2E = 1.0 / math.log(2.0)
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
-_PASS_CONFIGS = {
+PASS_CONFIGS = {
     # The warp specialization is written by hand (producer + two consumers with mbarriers).
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
 }
@@ -102,7 +103,6 @@ def sparse_mla_program(h_q: int, d_qk: int):
             n_blocks = T.ceildiv(topk, BI)
             tx = T.get_thread_binding()
 
-
             if tx < 128:
                 # Consumer 0: S = Q K^T, online softmax, publishes P and alpha, O[:, :256] += P V.
                 T.set_max_nreg(240, 1)
@@ -158,7 +158,9 @@ def sparse_mla_program(h_q: int, d_qk: int):
                     final[h] = T.if_then_else(sumexp[h] > 0, 1.0 / sumexp[h], 0.0)
                 if use_sink != 0:
                     for h in T.Parallel(H):
-                        final[h] = final[h] / (1.0 + T.exp2(Sink[h0 + h] * LOG2E - lse[h]))
+                        # Empty rows keep 0: their lse is +inf and a +inf sink would give inf - inf.
+                        final[h] = T.if_then_else(
+                            sumexp[h] > 0, final[h] / (1.0 + T.exp2(Sink[h0 + h] * LOG2E - lse[h])), 0.0)
                 T.copy(final, final_smem)
                 T.barrier_arrive(final_ready)
                 for h, d in T.Parallel(H, DH):
@@ -185,8 +187,8 @@ def sparse_mla_program(h_q: int, d_qk: int):
                     acc_o[h, d] *= final_smem[h]
                 T.copy(acc_o, Out[s_i, h0:h0 + H, DH:D_V])
             else:
-                # Producer: gathers the valid top-k rows into the 2-stage ring; an invalid entry
-                # zero-fills its row (cp.async with source size 0) and never reads kv.
+                # Producer: gathers Q, then the valid top-k rows into the 2-stage ring; an invalid
+                # entry zero-fills its row (cp.async with source size 0) and never reads kv.
                 T.set_max_nreg(80, 0)
                 t = tx - 256
                 limit = T.alloc_var(i32)
@@ -194,7 +196,8 @@ def sparse_mla_program(h_q: int, d_qk: int):
                 rows_per_pass = 16  # 8 threads per kv row
                 passes = BI // rows_per_pass
                 rows = T.alloc_local([passes], i32)  # kv row of each entry this thread copies, -1 if invalid
-                # Q is gathered like a kv block; block 0's k_ready arrival also covers it.
+                # Q is gathered like a kv block (the first k_ready arrival covers it too): a plain
+                # T.copy by all threads compiled to ~86 serialized 2-byte loads per thread.
                 for r in T.unroll(passes):
                     j = r * rows_per_pass + t // 8
                     for c in chunk_groups:
@@ -249,7 +252,7 @@ def compiled_kernel(h_q: int, d_qk: int):
     """Compiled once per process and (h_q, d_qk); TileLang's disk cache (TILELANG_CACHE_DIR)
     makes later processes skip nvcc."""
     return tilelang.compile(sparse_mla_program(h_q, d_qk),
-                            target=SM90_TARGET, pass_configs=_PASS_CONFIGS)
+                            target=SM90_TARGET, pass_configs=PASS_CONFIGS)
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:

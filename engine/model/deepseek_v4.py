@@ -162,8 +162,8 @@ class DeepseekV4Runtime:
         """Advance the layer's compressor (and indexer) by this step's tokens; store new entries.
 
         Returns (entries, selections): per sequence, all its compressed entries so far [n_e, D]
-        (prefill only, None in decode) and the entries each new token attends to, as a list of
-        index tensors per token (HCA: all visible; CSA: the indexer's valid top-k)."""
+        (prefill only, None in decode) and the entries each new token attends to, [length, k]
+        entry ids with -1 for none (HCA: every complete entry; CSA: the indexer's top-k)."""
         comp = attn.compressor
         kind = attn.layer_type
         ratio = self.ratio[kind]
@@ -184,7 +184,8 @@ class DeepseekV4Runtime:
                 chosen = self._index(layer_idx, comp.indexer, x[rows], q_residual[rows], positions[rows], s,
                                      visible)
             else:
-                chosen = [torch.arange(int(v), device=x.device) for v in visible]
+                ids = torch.arange(n_entries, device=x.device)[None, :]
+                chosen = torch.where(ids < visible[:, None], ids, -1)
             selections.append(chosen)
             if prefill:  # the workspace needs every entry as stored (fp8: the quantization round trip)
                 if first_entry != 0:
@@ -231,7 +232,7 @@ class DeepseekV4Runtime:
 
     def _index(self, layer_idx, indexer, x, q_residual, positions, s: SeqStep, visible):
         """Lightning indexer for one sequence's new tokens: pool its keys, score every stored key,
-        keep the top-k complete entries per token (list of index tensors, one per token)."""
+        keep the top-k complete entries per token: [length, k] entry ids, -1 where none."""
         state = s.state.compressor(layer_idx, "indexer")
         first_entry = state.entries
         new_keys = self._pool(state, indexer.kv_proj(x), indexer.gate_proj(x), indexer.position_bias,
@@ -241,7 +242,7 @@ class DeepseekV4Runtime:
         store.write(slot, s.state.rid, first_entry, new_keys)
         n_keys = state.entries
         if n_keys == 0:
-            return [torch.zeros(0, dtype=torch.long, device=x.device) for _ in range(x.size(0))]
+            return torch.zeros((x.size(0), 0), dtype=torch.long, device=x.device)
         keys = store.read(slot, store.slots(s.state.rid, torch.arange(n_keys)))  # [n_keys, index_head_dim]
         cos, sin = self._cos_sin(positions, "compress", x.dtype)
         q = indexer.q_b_proj(q_residual).view(x.size(0), indexer.num_heads, indexer.head_dim)
@@ -255,7 +256,7 @@ class DeepseekV4Runtime:
         future = torch.arange(n_keys, device=x.device)[None, :] >= visible[:, None]
         index_scores = index_scores.masked_fill(future, float("-inf"))
         top = index_scores.topk(min(indexer.index_topk, n_keys), dim=-1).indices
-        return [row[row < v] for row, v in zip(top, visible)]
+        return torch.where(top < visible[:, None], top, -1)  # picks among -inf scores are not entries
 
     def _prefill_attention(self, layer_idx, attn, q, kv, seqs, entries, selections):
         """One packed workspace [sum over sequences of (prompt rows + entry rows), 1, D] and one
@@ -279,11 +280,7 @@ class DeepseekV4Runtime:
                 parts.append(entries[i])
                 base += entries[i].size(0)
                 chosen = selections[i]
-                width = max((c.numel() for c in chosen), default=0)
-                entry_idx = torch.full((s.length, width), -1, dtype=torch.long, device=q.device)
-                for j, c in enumerate(chosen):
-                    entry_idx[j, : c.numel()] = entry_base + c
-                token_lists.append(entry_idx)
+                token_lists.append(torch.where(chosen >= 0, entry_base + chosen, -1))
             lists.append(torch.cat(token_lists, dim=1))
         width = max(l.size(1) for l in lists)
         width = -(-width // INDEX_PAD) * INDEX_PAD
@@ -295,18 +292,18 @@ class DeepseekV4Runtime:
 
     def _decode_attention(self, layer_idx, attn, q, seqs, selections):
         """One decode buffer [B, W + E, 1, D]: window rows first (the adapter views the buffer as
-        one kv tensor, no copy), then the compressed entries this token attends to."""
+        one kv tensor, no copy), then the compressed entries each token attends to."""
         device = q.device
         batch = len(seqs)
         window = self.stores.window
-        e_width = max((sel[0].numel() for sel in selections), default=0) if selections else 0
+        e_width = max(sel.size(1) for sel in selections) if selections else 0
         buf = torch.empty((batch, self.window + e_width, 1, self.head_dim), dtype=q.dtype, device=device)
         window_slots = torch.full((batch, self.window), -1, dtype=torch.long)
         lengths = []
         for b, s in enumerate(seqs):
             p = s.start
             n = min(p + 1, self.window)
-            window_slots[b, :n] = window.slots(s.state.rid, torch.arange(p - n + 1, p + 1)).cpu()
+            window_slots[b, :n] = window.slots(s.state.rid, torch.arange(p - n + 1, p + 1))
             lengths.append(n)
         window.gather(layer_idx, window_slots.to(device), buf[:, : self.window])
         indices = torch.arange(self.window, dtype=torch.int32, device=device).expand(batch, 1, -1).contiguous()
@@ -315,18 +312,19 @@ class DeepseekV4Runtime:
         if e_width > 0:
             store = self._compressed_store(attn.layer_type)
             slot = self.store_slot[layer_idx]
+            chosen = torch.full((batch, e_width), -1, dtype=torch.long)
+            for b, sel in enumerate(selections):
+                chosen[b, : sel.size(1)] = sel[0].cpu()
             entry_slots = torch.full((batch, e_width), -1, dtype=torch.long)
-            counts = []
-            for b, (s, sel) in enumerate(zip(seqs, selections)):
-                chosen = sel[0]
-                if chosen.numel():
-                    entry_slots[b, : chosen.numel()] = store.slots(s.state.rid, chosen).cpu()
-                counts.append(chosen.numel())
+            for b, s in enumerate(seqs):
+                valid = chosen[b] >= 0
+                entry_slots[b, valid] = store.slots(s.state.rid, chosen[b, valid])
             store.gather(slot, entry_slots.to(device), buf[:, self.window:])
+            # Buffer row j of request b holds its j-th choice; unchosen positions are -1 (invalid).
+            columns = torch.arange(e_width, dtype=torch.long).expand(batch, -1)
             extra = dict(
                 extra_kv_windows=buf[:, self.window:],
-                extra_indices=torch.arange(e_width, dtype=torch.int32, device=device).expand(batch, 1, -1).contiguous(),
-                extra_topk_length=torch.tensor(counts, dtype=torch.int32, device=device),
+                extra_indices=torch.where(chosen >= 0, columns, -1).to(torch.int32).to(device)[:, None, :],
             )
         out, _lse = decode_attn_sparse(q[:, None], buf[:, : self.window], indices, attn.scaling,
                                        attn_sink=attn.sinks.detach(), topk_length=topk_length, **extra)

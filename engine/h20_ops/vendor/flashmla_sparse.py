@@ -13,8 +13,9 @@ Contract (FlashMLA since 2026-01; ../shared/reference/sparse_mla_contract.md):
 Numerics: one program per (query, 64-head tile); the top-k list is walked in blocks of BLOCK_K
 entries; each block of kv rows is gathered once and feeds both Q.K^T and P.V (V = the first d_v = 512
 columns of kv; for d_qk 576 the 64 trailing RoPE columns are a second, small Q.K^T). tl.dot takes bf16
-operands with fp32 accumulators; the online softmax runs in the exp2 domain with sm_scale * log2(e)
-folded into the scores, and lse / max_logits are converted back to natural log at the end.
+operands with fp32 accumulators (P is rounded to bf16 for P.V, as in FlashMLA); the online softmax
+runs in the exp2 domain with sm_scale * log2(e) folded into the scores, and lse / max_logits are
+converted back to natural log at the end. Speed and tuning: docs/perf.md, docs/triton_kernel_notes.md.
 
 Constraints: h_q 64 or 128, d_qk 512 or 576, d_v 512, h_kv 1, topk >= 1 (any: the last block is
 masked, callers pad nothing), any s_q (1-D grid; 64-bit offsets), last dims contiguous (leading dims
@@ -53,7 +54,7 @@ def _sparse_mla_fwd_kernel(
     stride_out_s, stride_out_h, stride_ml_s, stride_lse_s,
     H_TILES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     D_V: tl.constexpr, D_ROPE: tl.constexpr,
-    HAS_SINK: tl.constexpr, HAS_TOPK_LENGTH: tl.constexpr,
+    HAS_SINK: tl.constexpr, HAS_TOPK_LENGTH: tl.constexpr, PREFETCH_INDICES: tl.constexpr,
     DOT_F32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     # 1-D grid: s_q may exceed the 65535 limit of grid axes 1/2. The head tiles of one query are
@@ -81,10 +82,19 @@ def _sparse_mla_fwd_kernel(
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_V], tl.float32)
     idx_row = idx_ptr + query * stride_idx_s
+    block = tl.arange(0, BLOCK_K)
+    if PREFETCH_INDICES:
+        next_idx = tl.load(idx_row + block, mask=block < n_entries, other=-1)
     for start in range(0, n_entries, BLOCK_K):
-        pos = start + tl.arange(0, BLOCK_K)
+        pos = start + block
         in_list = pos < n_entries
-        idx = tl.load(idx_row + pos, mask=in_list, other=-1)
+        if PREFETCH_INDICES:
+            # The gather's addresses come from the previous iteration, not from a load in this one.
+            idx = next_idx
+            next_pos = pos + BLOCK_K
+            next_idx = tl.load(idx_row + next_pos, mask=next_pos < n_entries, other=-1)
+        else:
+            idx = tl.load(idx_row + pos, mask=in_list, other=-1)
         valid = in_list & (idx >= 0) & (idx < s_kv)
         kv_rows = kv_ptr + idx.to(tl.int64)[:, None] * stride_kv_s
         # Invalid entries are never read: their rows load as 0 and their scores become -inf.
@@ -125,19 +135,35 @@ def _sparse_mla_fwd_kernel(
     tl.store(lse_ptr + query * stride_lse_s + heads, lse_log2 * 0.6931471805599453)
 
 
+def _require_interpretable_numpy() -> None:
+    # Triton 3.6's interpreter turns a runtime loop bound into int(1-element array), which
+    # numpy >= 2.4 rejects (TypeError deep inside the interpreter); say so up front.
+    import numpy
+
+    if numpy.lib.NumpyVersion(numpy.__version__) >= "2.4.0":
+        raise RuntimeError(f"TRITON_INTERPRET=1 needs numpy < 2.4 for this kernel's runtime-bounded loop "
+                           f"(triton 3.6 interpreter), found numpy {numpy.__version__}")
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     block_k: int  # top-k entries per block (kv rows gathered together)
     num_warps: int
     num_stages: int
+    # Load each block's indices one iteration ahead (a loop-carried tensor), so the kv gather's
+    # addresses never wait on a load of the same iteration; the pipeliner then prefetches the gather
+    # num_stages - 1 blocks ahead instead of (num_stages - 1) // 2 (docs/triton_kernel_notes.md).
+    prefetch_indices: bool = False
 
 
 def default_config(dtype: torch.dtype, d_qk: int) -> KernelConfig:
-    """Tuned on an H200 (docs/perf.md). float32 is the validation mode: small blocks so that it fits
-    shared memory; its speed does not matter."""
+    """The fastest configuration measured on an H200 (docs/perf.md). float32 is the validation
+    mode: small blocks so that it fits shared memory; its speed does not matter."""
     if dtype == torch.float32:
         return KernelConfig(block_k=16, num_warps=8, num_stages=1)
-    return KernelConfig(block_k=64, num_warps=8, num_stages=3)
+    if d_qk == 576:
+        return KernelConfig(block_k=64, num_warps=8, num_stages=3)
+    return KernelConfig(block_k=64, num_warps=8, num_stages=2)
 
 
 def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
@@ -149,6 +175,8 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
                                            q_dtypes=(torch.bfloat16, torch.float32))
     if not (q.is_cuda or _INTERPRET):
         raise ValueError(f"q: expected a CUDA tensor (or TRITON_INTERPRET=1), got device {q.device}")
+    if _INTERPRET:
+        _require_interpretable_numpy()
     s_q, h_q = shape.s_q, shape.h_q
     out = torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device)
     max_logits = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
@@ -171,6 +199,7 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         H_TILES=h_tiles, BLOCK_H=_HEADS_PER_PROGRAM, BLOCK_K=config.block_k,
         D_V=d_v, D_ROPE=shape.d_qk - d_v,
         HAS_SINK=attn_sink is not None, HAS_TOPK_LENGTH=topk_length is not None,
+        PREFETCH_INDICES=config.prefetch_indices,
         DOT_F32=_INTERPRET, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

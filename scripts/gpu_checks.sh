@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU checks of one session, in one call: GPU tests, A/B harnesses, compute-sanitizer,
+# benchmarks and the end-to-end report. Each step has its own time limit and log; a summary of exit
+# codes ends the output, and the script exits nonzero if any step failed.
+#   bash scripts/gpu_checks.sh LOGDIR STEP [STEP...]
+# steps: tests memcheck ab bench sweep decode e2e sample
+# A TileLang bundle at .tilelang_bundle/*.tar.xz (scripts/tilelang_bundle.sh) is installed first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+logdir=$1; shift
+mkdir -p "$logdir"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TILELANG_CACHE_DIR=/tmp/tilelang_cache
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PATH="/usr/local/cuda/bin:$PATH"
+bundle=$(ls .tilelang_bundle/*.tar.xz 2>/dev/null | head -1)
+if [ -n "$bundle" ]; then
+    bash scripts/tilelang_bundle.sh install "$bundle" /tmp/tl >"$logdir/bundle.log" 2>&1 && export PYTHONPATH="/tmp/tl:$PYTHONPATH"
+fi
+flaggems=.whl/flaggems/flashmla_sparse.py
+summary=()
+step() {  # step NAME SECONDS CMD...
+    local name=$1 secs=$2; shift 2
+    echo "=== $name: $*" | tee -a "$logdir/all.log"
+    timeout "$secs" "$@" 2>&1 | tee "$logdir/$name.log" | tail -40
+    local rc=${PIPESTATUS[0]}
+    summary+=("$name rc=$rc")
+}
+for s in "$@"; do
+    case $s in
+        tests) step tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_mla_ref.py \
+                tests/test_dispatcher.py tests/test_flashmla_sparse.py tests/test_sparse_mla_sm90.py \
+                tests/test_attn_sm90.py tests/test_kv_quant.py ;;
+        memcheck)
+            step memcheck_triton 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q \
+                -p no:cacheprovider tests/test_flashmla_sparse.py -k "fillers or empty_kv or topk_larger"
+            step memcheck_tilelang 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q \
+                -p no:cacheprovider tests/test_sparse_mla_sm90.py -k "test_matches_oracle and 100-700 and 128-576" ;;
+        ab) step ab_vendored 150 python3 scripts/ab_vendored.py --no-bench
+            step ab_decode 200 python3 scripts/ab_decode.py ;;
+        bench) step bench 240 python3 scripts/bench_sparse_mla.py --flaggems-file "$flaggems" ;;
+        sweep) step sweep 300 python3 scripts/bench_sparse_mla.py --sweep --shapes v4flash512,v32 --flaggems-file "$flaggems" ;;
+        decode) step bench_decode 200 python3 scripts/bench_decode.py ;;
+        e2e) step e2e 400 bash scripts/h20_e2e_report.sh --compare --json "$logdir/e2e.json" ;;
+        sample) step ab_fused_sample 120 python3 scripts/ab_fused_sample.py ;;
+        *) echo "unknown step $s" >&2; exit 2 ;;
+    esac
+done
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$logdir/gpu.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >>"$logdir/gpu.txt" 2>&1
+printf '%s\n' "${summary[@]}" | tee "$logdir/summary.txt"
+! grep -qv "rc=0$" "$logdir/summary.txt"

@@ -1,0 +1,288 @@
+"""The tiny DeepSeek-V4 checkpoint, its tokenizer, and the engine against transformers' eager model.
+
+Oracle: engine.model.hf_oracle.hf_greedy (transformers' DeepseekV4ForCausalLM, batch 1, its own
+cache). In float32 the engine's greedy tokens must equal the oracle's and per-step logits agree to
+fp32 rounding. Prompts cover: a text prompt, one longer than the 128-token window (150 tokens: window
+pages released, 37 ratio-4 entries, one ratio-128 entry), short ones, a one-token prompt; a
+max_batch_size below the request count forces admission while others decode.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine import ops
+from engine.h20_ops import kv_quant, sparse_mla
+from engine.model import tiny
+from engine.model.hf_oracle import hf_greedy
+from engine.runner import Completion, Engine, Request
+
+FP32_LOGITS_ATOL = 2e-3  # logits are O(10); fp32 summation-order differences stay ~1e-4
+# fp8 vs an fp8-emulating oracle: an fp32-rounding difference upstream can flip one e4m3 rounding
+# (a 1/16 relative step of one element), so logits agree less tightly; tokens must still be equal.
+FP8_LOGITS_ATOL = 5e-2
+
+
+def _random_prompt(n, seed):
+    return torch.randint(2, 258, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny.write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts(checkpoint):
+    tok = tiny.load_tokenizer(checkpoint)
+    return {
+        "text": (tok.encode("DeepSeek-V4 on Hopper: sparse attention."), 8),
+        "long": (_random_prompt(150, 1), 6),
+        "short": (_random_prompt(7, 2), 10),
+        "one": ([tok.bos_token_id], 3),
+    }
+
+
+@pytest.fixture(scope="module")
+def oracle(checkpoint, prompts):
+    names = list(prompts)
+    results = hf_greedy(checkpoint, [prompts[n][0] for n in names], max(prompts[n][1] for n in names))
+    return {n: (toks[: prompts[n][1]], logits[: prompts[n][1]]) for n, (toks, logits) in zip(names, results)}
+
+
+@pytest.fixture
+def backend_env(monkeypatch):
+    """Set DEEPINFER_* for one test; the dispatcher's per-process resolution is reset around it."""
+
+    def set_env(**values):
+        for name in ("DEEPINFER_SPARSE_MLA_BACKEND", "DEEPINFER_KERNELS", "DEEPINFER_OPS_STRICT",
+                     "DEEPINFER_USE_NEXTN_DECODE"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in values.items():
+            monkeypatch.setenv(name, value)
+        sparse_mla.reset_resolution_for_tests()
+        ops.reset_fallback_counts()
+
+    yield set_env
+    sparse_mla.reset_resolution_for_tests()
+
+
+def _assert_matches_oracle(completions, oracle, names):
+    for name, completion in zip(names, completions):
+        tokens, logits = oracle[name]
+        assert isinstance(completion, Completion) and completion.request_id == name
+        assert completion.output_ids == tokens, f"{name}: engine {completion.output_ids} != oracle {tokens}"
+        assert completion.step_logits.shape == logits.shape and completion.step_logits.dtype == torch.float32
+        diff = float((completion.step_logits - logits).abs().max())
+        assert diff < FP32_LOGITS_ATOL, f"{name}: per-step logits differ by {diff}"
+
+
+def _all_pages_free(engine):
+    for store in vars(engine.stores).values():
+        if store is not None:
+            assert store.available() == store.num_pages, f"{store.name} store leaked pages"
+
+
+# ------------------------------------------------------------------------------------------
+# checkpoint and tokenizer
+
+def test_checkpoint_is_deterministic_and_covers_the_architecture(checkpoint, tmp_path):
+    from safetensors.torch import load_file
+
+    again = tiny.write_tiny_checkpoint(tmp_path / "again", seed=0)
+    other = tiny.write_tiny_checkpoint(tmp_path / "other", seed=1)
+    assert (again / "model.safetensors").read_bytes() == (checkpoint / "model.safetensors").read_bytes()
+    a, b = load_file(checkpoint / "model.safetensors"), load_file(other / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert not torch.equal(a["model.embed_tokens.weight"], b["model.embed_tokens.weight"])
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    assert set(cfg["layer_types"]) == {"sliding_attention", "compressed_sparse_attention",
+                                       "heavily_compressed_attention"}
+    assert set(cfg["mlp_layer_types"]) == {"hash_moe", "moe"}
+    assert (cfg["num_attention_heads"], cfg["head_dim"], cfg["sliding_window"]) == (64, 512, 128)
+    # Hash routing: distinct experts per token id, not the all-zero table transformers initializes.
+    table = a["model.layers.0.mlp.gate.tid2eid"]
+    assert table.shape == (cfg["vocab_size"], cfg["num_experts_per_tok"])
+    assert bool((table[:, 0] != table[:, 1]).all()) and table.unique().numel() == cfg["n_routed_experts"]
+    sinks = a["model.layers.1.self_attn.sinks"]
+    assert float(sinks.std()) > 0.5, "sinks must be non-trivial so that sink handling is exercised"
+
+
+def test_default_checkpoint_dir_is_written_once(monkeypatch, tmp_path):
+    monkeypatch.setattr(tiny, "CACHE_ROOT", tmp_path / "cache")
+    first = tiny.default_checkpoint_dir()
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert tiny.default_checkpoint_dir() == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [first.name], "staging directories left behind"
+
+
+def test_tokenizer_round_trip(checkpoint):
+    tok = tiny.load_tokenizer(checkpoint)
+    text = "héllo, wörld ✓ 123"
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_token_id and all(2 <= i < 258 for i in ids[1:])
+    assert tok.decode(ids) == text
+    assert tok.decode([tok.eos_token_id, 300]) == "<1><300>"
+    with pytest.raises(ValueError, match="ids"):
+        tok.decode([tok.vocab_size])
+    with pytest.raises(FileNotFoundError, match="path"):
+        tiny.load_tokenizer(checkpoint / "missing")
+
+
+# ------------------------------------------------------------------------------------------
+# engine vs oracle
+
+def test_engine_matches_oracle_fp32_with_continuous_batching(checkpoint, prompts, oracle, backend_env, monkeypatch):
+    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+    engine = Engine(checkpoint, max_batch_size=2, max_seq_len=256)
+    steps = []
+    real_step = engine._step
+
+    def recording_step(batch, tokens, *, prefill):
+        steps.append((prefill, [a.request.request_id for a in batch]))
+        return real_step(batch, tokens, prefill=prefill)
+
+    monkeypatch.setattr(engine, "_step", recording_step)
+    names = list(prompts)
+    completions = engine.generate([Request(n, prompts[n][0], prompts[n][1]) for n in names])
+    _assert_matches_oracle(completions, oracle, names)
+    # "long" (6 tokens) finishes first; "short" is admitted and prefilled while "text" keeps decoding.
+    prefills = [ids for prefill, ids in steps if prefill]
+    assert prefills[0] == ["text", "long"] and ["short"] in prefills
+    admitted_at = steps.index((True, ["short"]))
+    assert any(not p and "text" in ids and "short" in ids for p, ids in steps[admitted_at:])
+    stats = engine.stats()
+    assert stats["prefill_tokens"] == sum(len(p) for p, _ in prompts.values())
+    assert stats["decode_tokens"] == sum(n - 1 for _, n in prompts.values())
+    assert stats["sparse_mla_backend"] == "ref" and stats["op_fallbacks"] == {}
+    _all_pages_free(engine)
+
+
+def test_engine_indexer_selects_top_k(checkpoint, prompts, backend_env, tmp_path):
+    """index_topk 8 < the 37 entries of the long prompt: the lightning indexer really chooses."""
+    small = tmp_path / "topk8"
+    shutil.copytree(checkpoint, small)
+    cfg = json.loads((small / "config.json").read_text())
+    cfg["index_topk"] = 8
+    (small / "config.json").write_text(json.dumps(cfg))
+    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+    prompt = prompts["long"][0]
+    (tokens, logits), = hf_greedy(small, [prompt], 5)
+    completion, = Engine(small).generate([Request("long", prompt, 5)])
+    assert completion.output_ids == tokens
+    assert float((completion.step_logits - logits).abs().max()) < FP32_LOGITS_ATOL
+
+
+def test_engine_triton_default_path(checkpoint, prompts, oracle, backend_env):
+    """The CPU default: TileLang blocked -> triton sparse MLA (interpreted), Triton ops, strict."""
+    backend_env(DEEPINFER_SIMULATE_NO_TILELANG="1", DEEPINFER_KERNELS="triton", DEEPINFER_OPS_STRICT="1")
+    names = ["short", "one"]
+    engine = Engine(checkpoint)
+    completions = engine.generate([Request(n, prompts[n][0], 3) for n in names])
+    trimmed = {n: (oracle[n][0][:3], oracle[n][1][:3]) for n in names}
+    _assert_matches_oracle(completions, trimmed, names)
+    stats = engine.stats()
+    assert stats["sparse_mla_backend"] == "triton" and stats["op_fallbacks"] == {}
+
+
+def _fp8_round_trip(x):
+    """x [..., 512] -> what a MODEL1 fp8 cache returns for it (kv_quant's torch reference)."""
+    rows = x.reshape(-1, x.size(-1))
+    n = rows.size(0)
+    cache = kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, max(1, -(-n // 64)), 64, x.device)
+    slots = torch.arange(n, device=x.device)
+    kv_quant.quantize_into_cache_ref(cache, slots, rows[:, None].float().contiguous())
+    return kv_quant.dequantize_from_cache_ref(cache, slots, x.dtype).reshape(x.shape)
+
+
+def test_engine_fp8_kv_cache_matches_fp8_emulating_oracle(checkpoint, prompts, oracle, backend_env, monkeypatch):
+    """fp8 (MODEL1) KV cache vs transformers' model patched to store exactly what an fp8 cache
+    returns (window K=V rows and compressed entries quantized on their way into its cache; indexer
+    keys stay exact, as in the engine): tokens equal, logits to fp32 rounding."""
+    from transformers import cache_utils
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+    names = ["text", "long"]
+
+    def quantized_update(original):
+        def update(self, key_states, value_states, *args, **kwargs):
+            kv = _fp8_round_trip(key_states)  # K = V in DeepSeek-V4
+            return original(self, kv, kv, *args, **kwargs)
+        return update
+
+    def quantized_entries(self, name, compressed):
+        if name == "compressor":
+            compressed = _fp8_round_trip(compressed)
+        return original_entries(self, name, compressed)
+
+    original_entries = v4.DeepseekV4HCACache.update_compressor_states
+    monkeypatch.setattr(cache_utils.DynamicSlidingWindowLayer, "update",
+                        quantized_update(cache_utils.DynamicSlidingWindowLayer.update))
+    monkeypatch.setattr(v4.DeepseekV4HCACache, "update", quantized_update(v4.DeepseekV4HCACache.update))
+    monkeypatch.setattr(v4.DeepseekV4HCACache, "update_compressor_states", quantized_entries)
+    emulated = hf_greedy(checkpoint, [prompts[n][0] for n in names], 4)
+    monkeypatch.undo()
+
+    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+    engine = Engine(checkpoint, kv_cache_dtype="fp8")
+    window_cache = engine.stores.window.layers[0]
+    assert window_cache.dtype == torch.uint8 and window_cache.size(-1) == 584
+    completions = engine.generate([Request(n, prompts[n][0], 4) for n in names])
+    for name, completion, (tokens, logits) in zip(names, completions, emulated):
+        assert completion.output_ids == tokens, f"{name}: engine {completion.output_ids} != fp8 oracle {tokens}"
+        diff = float((completion.step_logits - logits).abs().max())
+        assert diff < FP8_LOGITS_ATOL, f"{name}: logits differ from the fp8-emulating oracle by {diff}"
+        assert float((logits[0] - oracle[name][1][0]).abs().max()) > 10 * FP8_LOGITS_ATOL, \
+            "the emulation must actually quantize"
+    _all_pages_free(engine)
+
+
+def test_engine_rejects_bad_requests(checkpoint, backend_env):
+    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+    engine = Engine(checkpoint, max_seq_len=64)
+    cases = [
+        ([Request("a", [5], 2), Request("a", [6], 2)], "duplicate request_id"),
+        ([Request("a", [], 2)], r"prompt_ids: expected at least one token"),
+        ([Request("a", [5, 512], 2)], r"prompt_ids: tokens outside"),
+        ([Request("a", [5], 0)], r"max_new_tokens"),
+        ([Request("a", [5] * 60, 5)], "max_seq_len"),
+    ]
+    for requests, message in cases:
+        with pytest.raises(ValueError, match=message):
+            engine.generate(requests)
+    with pytest.raises(TypeError, match="requests"):
+        engine.generate(Request("a", [5], 2))
+    assert engine.generate([]) == []
+    _all_pages_free(engine)
+
+
+def test_engine_gives_pages_back_after_a_failing_step(checkpoint, backend_env, monkeypatch):
+    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+    engine = Engine(checkpoint, max_batch_size=2)
+    calls = []
+
+    def failing_decode(batch):
+        calls.append(len(batch))
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(engine, "_decode", failing_decode)
+    with pytest.raises(RuntimeError, match="simulated kernel failure"):
+        engine.generate([Request("a", [5, 6, 7], 4), Request("b", [8], 4), Request("c", [9], 4)])
+    assert calls == [2]
+    _all_pages_free(engine)
+    monkeypatch.undo()
+    completion, = engine.generate([Request("a", [5, 6, 7], 2)])
+    assert len(completion.output_ids) == 2
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        Engine(checkpoint, kv_cache_dtype="int8")
+    with pytest.raises(FileNotFoundError, match="checkpoint_dir"):
+        Engine(checkpoint / "missing")
+
+
+def test_engine_refuses_nextn_decode(checkpoint, backend_env):
+    backend_env(DEEPINFER_USE_NEXTN_DECODE="1")
+    with pytest.raises(NotImplementedError, match="DEEPINFER_USE_NEXTN_DECODE"):
+        Engine(checkpoint)
