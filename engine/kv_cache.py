@@ -19,6 +19,7 @@ request never runs out of pages; pages are handed out on demand inside that rese
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -79,13 +80,34 @@ class PagedRows:
         self._free.extend(p for p in table if p >= 0)
         self.reserved_total -= self._reserved.pop(rid)
 
+    def _give_back(self, rid: str, table: list[int], logical: int) -> None:
+        """Free one held page; it returns to the request's reservation (which bounds the pages
+        held at once, not the pages taken over the request's lifetime)."""
+        self._free.append(table[logical])
+        table[logical] = -1
+        self._reserved[rid] += 1
+        self.reserved_total += 1
+
     def release_rows_before(self, rid: str, row: int) -> None:
         """Give back the pages whose rows all lie before `row` (rows that left the window)."""
         table = self._tables[rid]
         for logical in range(min(row // self.page_size, len(table))):
             if table[logical] >= 0:
-                self._free.append(table[logical])
-                table[logical] = -1
+                self._give_back(rid, table, logical)
+
+    def truncate(self, rid: str, end_row: int) -> None:
+        """Forget rows end_row and later: give back the pages that hold only such rows (speculative
+        rows that were rejected). Rows end_row .. the end of its page stay allocated and are
+        overwritten when written again."""
+        table = self._tables[rid]
+        first_dead = -(-end_row // self.page_size)
+        for logical in range(first_dead, len(table)):
+            if table[logical] >= 0:
+                self._give_back(rid, table, logical)
+        del table[first_dead:]
+
+    def held_pages(self, rid: str) -> int:
+        return sum(p >= 0 for p in self._tables[rid])
 
     def _ensure(self, rid: str, first_row: int, end_row: int) -> None:
         """Back rows first_row .. end_row - 1 with pages (earlier logical pages are not allocated:
@@ -166,6 +188,15 @@ class CompressorState:
     buffer_gate: torch.Tensor | None = None
     overlap_kv: torch.Tensor | None = None
     overlap_gate: torch.Tensor | None = None
+
+    def snapshot(self) -> "CompressorState":
+        """A copy to restore after rejected speculative tokens; the tensors are shared, which is safe
+        because pooling replaces them and never writes into them."""
+        return dataclasses.replace(self)
+
+    def restore(self, saved: "CompressorState") -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(saved, f.name))
 
 
 @dataclass

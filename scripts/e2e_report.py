@@ -39,9 +39,8 @@ from engine import config, serve_dp  # noqa: E402
 
 SCHEMA = "deepinfer-e2e-report/1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-CONTROL_TEXT = "Control prompt."
-# Short prompts keep the CPU run (Triton under its interpreter: about a second of CPU per prefill
-# token) within minutes. The last one is longer than the 128-token sliding window, so one request
+CONTROL_TEXT = "Control."
+# Short prompts keep the CPU run (Triton under its interpreter, where prefill dominates) within minutes. The last one is longer than the 128-token sliding window, so one request
 # exercises the window and both compressed caches (ratio 4 with the indexer, ratio 128).
 PROMPT_TEXTS = (
     "The quick brown fox",
@@ -51,8 +50,8 @@ PROMPT_TEXTS = (
     "1, 1, 2, 3, 5, 8,",
     "Bonjour !",
     "K = V: one vector per token.",
-    "Sparse attention keeps a sliding window of the most recent tokens and a compressed summary of "
-    "everything before them; this prompt is longer than that window.",
+    "Sparse attention keeps a sliding window of recent tokens and a compressed summary of everything "
+    "before them; this prompt is longer than the window.",
 )
 COMPARE_RUNS = (("TileLang blocked", {"DEEPINFER_SIMULATE_NO_TILELANG": "1"}),
                 ("TileLang present", {"DEEPINFER_SIMULATE_NO_TILELANG": "0"}))

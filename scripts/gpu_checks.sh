@@ -14,14 +14,19 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PATH="/usr/local/cuda/bin:$PATH"
 bundle=$(ls .tilelang_bundle/*.tar.xz 2>/dev/null | head -1)
 if [ -n "$bundle" ]; then
-    bash scripts/tilelang_bundle.sh install "$bundle" /tmp/tl >"$logdir/bundle.log" 2>&1 && export PYTHONPATH="/tmp/tl:$PYTHONPATH"
+    bash scripts/tilelang_bundle.sh install "$bundle" /tmp/tl >>"$logdir/bundle.log" 2>&1 && export PYTHONPATH="/tmp/tl:$PYTHONPATH"
+fi
+# Wheels carried in .wheels_e2e/ (e.g. a newer transformers for the bf16 oracle) shadow the image's.
+if ls .wheels_e2e/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels_e2e/*.whl \
+        >>"$logdir/bundle.log" 2>&1 && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 flaggems=.whl/flaggems/flashmla_sparse.py
 summary=()
 step() {  # step NAME SECONDS CMD...
     local name=$1 secs=$2; shift 2
     echo "=== $name: $*" | tee -a "$logdir/all.log"
-    timeout "$secs" "$@" 2>&1 | tee "$logdir/$name.log" | tail -40
+    timeout "$secs" "$@" 2>&1 | tee -a "$logdir/all.log" | tail -40
     local rc=${PIPESTATUS[0]}
     summary+=("$name rc=$rc")
 }

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import config
-from engine.h20_ops import sparse_mla
+from engine.h20_ops import backend_select, sparse_mla
 from engine.h20_ops.sparse_mla_ref import sparse_mla_prefill_ref
 
 KERNEL_MODULE = sparse_mla.TILELANG_KERNEL_MODULE
@@ -119,10 +119,10 @@ def test_no_cuda_resolves_to_the_triton_interpreter(fresh_process):
 
 def test_logged_once_per_process(fresh_process, caplog):
     fresh_process.setenv("DEEPINFER_SPARSE_MLA_BACKEND", "ref")
-    with caplog.at_level(logging.INFO, logger=sparse_mla.__name__):
+    with caplog.at_level(logging.INFO, logger=backend_select.__name__):
         for _ in range(3):
             sparse_mla.resolve_backend()
-    lines = [r.getMessage() for r in caplog.records if r.name == sparse_mla.__name__]
+    lines = [r.getMessage() for r in caplog.records if r.name == backend_select.__name__]
     assert lines == ["sparse MLA backend: ref (DEEPINFER_SPARSE_MLA_BACKEND=ref)"]
 
 

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from engine.h20_ops import fused_sample as fs
 from engine.h20_ops import fused_sample_ref as ref
-from engine.h20_ops.fused_sample_ref import DRAW_ACCEPT, DRAW_DRAFT, DRAW_SAMPLE
+from engine.h20_ops.fused_sample_ref import DRAW_ACCEPT, DRAW_DRAFT
 from engine.h20_ops.fused_sample_triton import _draw
 
 # Rows of -inf logits make the interpreter's numpy compute (-inf) - (-inf) before the mask drops it.
@@ -358,8 +358,13 @@ def _run_python(code: str, **env) -> str:
     return done.stdout
 
 
+# Without CUDA auto resolution is always triton; resolve as a GPU node would (nothing runs a kernel).
+AS_ON_A_GPU_NODE = "import torch\ntorch.cuda.is_available = lambda: True\n"
+
+
 def test_simulated_missing_tilelang_resolves_to_triton():
     out = _run_python(
+        AS_ON_A_GPU_NODE +
         "import engine.h20_ops.fused_sample as fs\n"
         "r = fs.backend_resolution()\n"
         "print(r.backend, 'TileLang missing' in r.reason)\n"
@@ -373,9 +378,30 @@ def test_simulated_missing_tilelang_resolves_to_triton():
 
 def test_auto_resolution_prefers_tilelang_when_it_imports():
     pytest.importorskip("tilelang")
-    out = _run_python("import engine.h20_ops.fused_sample as fs\nprint(fs.resolve_backend())",
+    out = _run_python(AS_ON_A_GPU_NODE + "import engine.h20_ops.fused_sample as fs\nprint(fs.resolve_backend())",
                       DEEPINFER_SIMULATE_NO_TILELANG="0")
     assert out.split()[-1] == "tilelang"
+
+
+def test_triton_kernels_compile_for_sm90():
+    """The interpreter accepts code the GPU compiler rejects (e.g. non-constexpr globals): compile the
+    three kernels to PTX for sm_90 without a GPU, and check the exp2 they use."""
+    out = _run_python(
+        "import triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "from engine.h20_ops import fused_sample_triton as ft\n"
+        "ptr = {'logits': '*bf16', 'out': '*i64', 'seeds': '*i64', 'positions': '*i64', 'scales': '*fp32',\n"
+        "       'top_ks': '*i64', 'top_ps': '*fp32', 'target_logits': '*fp32', 'draft_logits': '*fp32',\n"
+        "       'draft_tokens': '*i64', 'out_tokens': '*i64', 'out_accepted': '*i64'}\n"
+        "for fn, consts in ((ft._greedy_kernel, {'BLOCK': 1024}), (ft._sample_kernel, {'DRAW': 2, 'BLOCK': 1024}),\n"
+        "                   (ft._rejection_kernel, {'BLOCK': 1024})):\n"
+        "    sig = {a: ('constexpr' if a in consts else ptr.get(a, 'i32')) for a in fn.arg_names}\n"
+        "    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget('cuda', 90, 32),\n"
+        "                       options={'num_warps': 8})\n"
+        "    print('EX2', 'ex2.approx.ftz.f32' in k.asm['ptx'] or fn is ft._greedy_kernel)\n",
+        TRITON_INTERPRET="0")
+    assert out.split() == ["EX2", "True"] * 3
 
 
 def test_tilelang_kernels_lower_for_sm90a():
@@ -388,7 +414,7 @@ def test_tilelang_kernels_lower_for_sm90a():
         "from engine.h20_ops import fused_sample_sm90 as k\n"
         "target = tvm.target.Target({'kind': 'cuda', 'arch': 'sm_90a'})\n"
         "for f in (k.greedy_kernel('bfloat16'), k.sample_kernel('float32', 2), k.rejection_kernel('bfloat16')):\n"
-        "    with target:\n"
+        "    with tvm.transform.PassContext(config=k.PASS_CONFIGS), target:\n"
         "        src = tilelang.lower(f, target=target).kernel_source\n"
         "    print('KERNEL', src.count('curand_init('), 'exp2f' in src)\n"
         "    for line in src.splitlines():\n"

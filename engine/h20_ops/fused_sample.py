@@ -16,67 +16,28 @@ Semantics, the random-stream mapping and the test thresholds: docs/sampling.md.
 Backends: `tilelang` (engine.h20_ops.fused_sample_sm90), `triton`
 (engine.h20_ops.fused_sample_triton) and `ref` (engine.h20_ops.fused_sample_ref, numpy on the CPU);
 all consume the same stream and agree token for token. Unset `backend` resolves once per process
-like the sparse MLA dispatcher: tilelang if its kernel module imports (only ModuleNotFoundError
-counts as missing), else triton; DEEPINFER_SIMULATE_NO_TILELANG=1 blocks TileLang first.
+as the sparse MLA dispatcher's auto mode does (engine.h20_ops.backend_select).
 """
 
 from __future__ import annotations
 
-import importlib
-import logging
-import sys
-import threading
-
 import torch
 
-from engine import config
+from engine.h20_ops.backend_select import BackendSelector
 from engine.h20_ops.checks import require_last_dim_contiguous, require_same_device, require_tensor
 from engine.h20_ops.fused_sample_ref import DRAW_DRAFT, DRAW_SAMPLE, sampling_scale
-from engine.h20_ops.sparse_mla import Resolution, install_tilelang_block
 
 TILELANG_KERNEL_MODULE = "engine.h20_ops.fused_sample_sm90"
 BACKENDS = ("ref", "triton", "tilelang")
 LOGIT_DTYPES = (torch.float32, torch.bfloat16)
 
-log = logging.getLogger(__name__)
-
-_lock = threading.Lock()
-_resolution: Resolution | None = None
-
-
-def _import_tilelang_kernels():
-    return importlib.import_module(TILELANG_KERNEL_MODULE)
-
-
-def _resolve() -> Resolution:
-    if config.simulate_no_tilelang():
-        install_tilelang_block()
-        sys.modules.pop(TILELANG_KERNEL_MODULE, None)  # an earlier import must not survive the block
-    try:
-        _import_tilelang_kernels()
-    except ModuleNotFoundError as exc:
-        return Resolution("triton", f"auto: TileLang missing ({exc})", str(exc))
-    return Resolution("tilelang", "auto: TileLang kernel module imported", None)
-
-
-def backend_resolution() -> Resolution:
-    """The process's fused_sample resolution (computed and logged once)."""
-    global _resolution
-    with _lock:
-        if _resolution is None:
-            _resolution = _resolve()
-            log.warning("fused_sample backend: %s (%s)", _resolution.backend, _resolution.reason)
-        return _resolution
+_selector = BackendSelector("fused_sample", TILELANG_KERNEL_MODULE)
+backend_resolution = _selector.resolution
+reset_resolution_for_tests = _selector.reset_for_tests
 
 
 def resolve_backend() -> str:
     return backend_resolution().backend
-
-
-def reset_resolution_for_tests() -> None:
-    global _resolution
-    with _lock:
-        _resolution = None
 
 
 def _implementation(backend: str | None):
@@ -89,7 +50,7 @@ def _implementation(backend: str | None):
     elif backend == "triton":
         from engine.h20_ops import fused_sample_triton as impl
     else:
-        impl = _import_tilelang_kernels()
+        impl = _selector.import_tilelang()
     return impl
 
 
@@ -149,7 +110,8 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: torch.Tensor, dr
     if k1 < 2:
         raise ValueError(f"target_logits: expected K+1 >= 2 rows per request, got shape {tuple(target_logits.shape)}")
     if draft_logits.dtype != target_logits.dtype:
-        raise TypeError(f"draft_logits: expected dtype {target_logits.dtype} (target_logits'), got {draft_logits.dtype}")
+        raise TypeError(f"draft_logits: expected dtype {target_logits.dtype} (as target_logits), "
+                        f"got {draft_logits.dtype}")
     if tuple(draft_logits.shape) != (n, k1 - 1, v):
         raise ValueError(f"draft_logits: expected shape {(n, k1 - 1, v)}, got {tuple(draft_logits.shape)}")
     require_tensor("draft_tokens", draft_tokens, dtypes=(torch.int32, torch.int64), ndim=2)

@@ -13,11 +13,18 @@ the same tokens as engine.h20_ops.fused_sample_triton, operation for operation:
 - thresholds by bisection over the weight range (33 masked passes at most each), the sampled
   index by a chunk scan then a bisection inside the chunk (no scan primitive needed).
 Constraints: logits rows contiguous (the wrapper copies otherwise); V < 2^31.
+Deliberate deviations from TileLang defaults: fast math (for the exp2 above) and no automatic
+safe-memory guards (all loads are guarded by hand; the guards made lowering take minutes). T.rng_*
+include curand_kernel.h: curand_include_flags() finds it in pip's CUDA wheels if the toolkit lacks it.
+No `from __future__ import annotations` here: TileLang evaluates the kernels' annotations.
 Importing this module raises ModuleNotFoundError when TileLang is missing (the dispatcher's
 signal to use Triton).
 """
 
 import functools
+import glob
+import os
+import sys
 
 import tilelang
 import tilelang.language as T
@@ -30,7 +37,12 @@ BLOCK_V = 1024
 LOG2_BLOCK_V = 10
 BISECT_STEPS = 33  # the weight range [0, 2^32] has 2^32 + 1 values
 WEIGHT_END = 4294967297
-PASS_CONFIGS = {"tl.enable_fast_math": True}  # exp2f -> ex2.approx.ftz.f32, as Triton's tl.exp2
+PASS_CONFIGS = {
+    "tl.enable_fast_math": True,  # exp2f -> ex2.approx.ftz.f32, as Triton's tl.exp2
+    # Every load is guarded explicitly (vocabulary mask, clamped draft ids, valid rows); the automatic
+    # guards only add conditions that make TileLang's simplifier take minutes on the rejection kernel.
+    "tl.disable_safe_memory_legalize": True,
+}
 TILELANG_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
@@ -334,9 +346,23 @@ def rejection_kernel(dtype: str):
     return fused_rejection
 
 
-def compile_kernel(prim_func, target="auto", compile_flags=None):
+@functools.lru_cache(maxsize=None)
+def curand_include_flags() -> tuple[str, ...]:
+    """nvcc -I flag for curand_kernel.h (T.rng_* include it) when the CUDA toolkit lacks it: pip's
+    CUDA wheels (a dependency of CUDA torch) ship it under site-packages/nvidia/*/include."""
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    if os.path.exists(os.path.join(cuda_home, "include", "curand_kernel.h")):
+        return ()
+    for entry in sys.path:
+        for header in sorted(glob.glob(os.path.join(entry, "nvidia", "*", "include", "curand_kernel.h"))):
+            return (f"-I{os.path.dirname(header)}",)
+    return ()
+
+
+def compile_kernel(prim_func, target="auto"):
     """JIT-compile one prim_func (TileLang caches it on disk); target "auto" probes the GPU."""
-    return tilelang.compile(prim_func, target=target, pass_configs=PASS_CONFIGS, compile_flags=compile_flags)
+    return tilelang.compile(prim_func, target=target, pass_configs=PASS_CONFIGS,
+                            compile_flags=list(curand_include_flags()))
 
 
 @functools.lru_cache(maxsize=None)

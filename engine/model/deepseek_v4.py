@@ -31,7 +31,6 @@ from engine.kv_cache import PagedRows, RequestState
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
-INDEX_PAD = 64  # prefill index lists are padded with -1 to a multiple of the kernels' top-k block
 
 
 @dataclass
@@ -66,6 +65,7 @@ class DeepseekV4Runtime:
         self.head_dim = cfg.head_dim
         self.ratio = {CSA: cfg.compress_rates[CSA], HCA: cfg.compress_rates[HCA]}
         # Per layer type, the slot of the layer in its compressed store.
+        self.journal: dict[str, list] | None = None  # speculative step: compressor states to roll back
         self.store_slot: dict[int, int] = {}
         for kind in (CSA, HCA):
             for slot, layer in enumerate(i for i, t in enumerate(cfg.layer_types) if t == kind):
@@ -80,28 +80,71 @@ class DeepseekV4Runtime:
 
     # -- whole model ----------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqStep], *, prefill: bool):
-        """input_ids, positions [T]; returns logits [len(seqs), vocab] fp32 of each sequence's last token."""
-        cfg = self.config
-        embeds = self.model.embed_tokens(input_ids)  # [T, hidden]
-        dtype = embeds.dtype
-        rope = {kind: self._cos_sin(positions, kind, dtype) for kind in ("main", "compress")}
-        hidden = embeds.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, hc, hidden]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqStep], *, prefill: bool,
+                all_logits: bool = False, all_hidden: bool = False, speculative: bool = False):
+        """input_ids, positions [T]. Returns (logits fp32, hidden): logits of each sequence's last
+        token [len(seqs), vocab] (all_logits: of every token, [T, vocab]); hidden None, or with
+        all_hidden every token's final hidden state [T, hidden] (after the head's hyper-connection
+        collapse, before the final norm: what the NextN layer takes).
+        speculative: journal the compressor states so that `rollback` can drop trailing tokens."""
+        self.journal = {s.state.rid: [] for s in seqs} if speculative else None
+        hidden = self.model.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        rope = self.rope_tables(positions, hidden.dtype)
         for layer_idx, layer in enumerate(self.model.layers):
-            post, comb, collapsed = self._hyper_connection(layer.attn_hc, hidden)
-            x = ops.rms_norm(collapsed, layer.input_layernorm.weight, self.eps)
-            attn_out = self._attention(layer_idx, layer.self_attn, x, positions, seqs, rope, prefill)
-            hidden = post.to(dtype).unsqueeze(-1) * attn_out.unsqueeze(-2) + torch.matmul(
-                comb.to(dtype).transpose(-1, -2), hidden)
-            post, comb, collapsed = self._hyper_connection(layer.ffn_hc, hidden)
-            x = ops.rms_norm(collapsed, layer.post_attention_layernorm.weight, self.eps)
-            mlp_out = layer.mlp(x[None], input_ids=input_ids[None])[0]
-            hidden = post.to(dtype).unsqueeze(-1) * mlp_out.unsqueeze(-2) + torch.matmul(
-                comb.to(dtype).transpose(-1, -2), hidden)
-        last = torch.tensor([s.offset + s.length - 1 for s in seqs], device=hidden.device)
-        final = self._hyper_head(self.model.hc_head, hidden[last])
-        final = ops.rms_norm(final, self.model.norm.weight, self.eps)
-        return self.hf.lm_head(final).float()
+            hidden = self.decoder_layer(layer_idx, layer, hidden, input_ids, positions, seqs, rope, prefill)
+        return self.head(self.model.hc_head, self.model.norm.weight, hidden, seqs, all_logits, all_hidden)
+
+    def head(self, hc_head, norm_weight, hidden, seqs, all_logits: bool, all_hidden: bool):
+        """hidden [T, hc, hidden] -> (logits fp32, collapsed hidden or None) as `forward` returns them,
+        through the shared lm_head."""
+        if not (all_logits or all_hidden):
+            hidden = hidden[torch.tensor([s.offset + s.length - 1 for s in seqs], device=hidden.device)]
+        collapsed = self._hyper_head(hc_head, hidden)
+        logit_rows = collapsed
+        if all_hidden and not all_logits:
+            logit_rows = collapsed[torch.tensor([s.offset + s.length - 1 for s in seqs], device=hidden.device)]
+        logits = self.hf.lm_head(ops.rms_norm(logit_rows, norm_weight, self.eps)).float()
+        return logits, (collapsed if all_hidden else None)
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
+        return {kind: self._cos_sin(positions, kind, dtype) for kind in ("main", "compress")}
+
+    def decoder_layer(self, layer_idx, layer, hidden, input_ids, positions, seqs, rope, prefill):
+        """One DeepSeek-V4 decoder layer on [T, hc, hidden]; layer_idx addresses the KV stores."""
+        dtype = hidden.dtype
+        post, comb, collapsed = self._hyper_connection(layer.attn_hc, hidden)
+        x = ops.rms_norm(collapsed, layer.input_layernorm.weight, self.eps)
+        attn_out = self._attention(layer_idx, layer.self_attn, x, positions, seqs, rope, prefill)
+        hidden = post.to(dtype).unsqueeze(-1) * attn_out.unsqueeze(-2) + torch.matmul(
+            comb.to(dtype).transpose(-1, -2), hidden)
+        post, comb, collapsed = self._hyper_connection(layer.ffn_hc, hidden)
+        x = ops.rms_norm(collapsed, layer.post_attention_layernorm.weight, self.eps)
+        mlp_out = layer.mlp(x[None], input_ids=input_ids[None])[0]
+        return post.to(dtype).unsqueeze(-1) * mlp_out.unsqueeze(-2) + torch.matmul(
+            comb.to(dtype).transpose(-1, -2), hidden)
+
+    def rollback(self, state: RequestState, keep: int) -> None:
+        """After a speculative forward of n tokens, keep only the first `keep`: every compressor of
+        the request goes back to its state before the step and consumes just those tokens again
+        (entries they complete were already stored, identically); pages holding only dropped
+        entries are given back. The window rows are the caller's (PagedRows.truncate)."""
+        for comp_state, saved, kv, gate, pool_args, store in self.journal[state.rid]:
+            comp_state.restore(saved)
+            self._pool(comp_state, kv[:keep], gate[:keep], *pool_args[:-1], overlap=pool_args[-1])
+            store.truncate(state.rid, comp_state.entries)
+
+    def _advance(self, s: SeqStep, layer_idx, name, store, slot, kv, gate, position_bias, norm_weight, ratio,
+                 head_dim, overlap):
+        """Run one compressor of one sequence over its new tokens and store the new entries
+        (journaled in a speculative step). Returns (entries before, entries after, new entries)."""
+        state = s.state.compressor(layer_idx, name)
+        first_entry = state.entries
+        if self.journal is not None:
+            self.journal[s.state.rid].append((state, state.snapshot(), kv, gate,
+                                              (position_bias, norm_weight, ratio, head_dim, overlap), store))
+        new = self._pool(state, kv, gate, position_bias, norm_weight, ratio, head_dim, overlap=overlap)
+        store.write(slot, s.state.rid, first_entry, new)
+        return first_entry, state.entries, new
 
     def _hyper_connection(self, hc, hidden: torch.Tensor):
         """transformers' DeepseekV4HyperConnection on [T, hc, hidden] with its norm through engine.ops."""
@@ -173,12 +216,9 @@ class DeepseekV4Runtime:
         entries, selections = [], []
         for s in seqs:
             rows = slice(s.offset, s.offset + s.length)
-            state = s.state.compressor(layer_idx, "compressor")
-            first_entry = state.entries
-            new = self._pool(state, kv_all[rows], gate_all[rows], comp.position_bias, comp.kv_norm.weight,
-                             ratio, self.head_dim, overlap=kind == CSA)
-            store.write(slot, s.state.rid, first_entry, new)
-            n_entries = state.entries
+            first_entry, n_entries, new = self._advance(
+                s, layer_idx, "compressor", store, slot, kv_all[rows], gate_all[rows], comp.position_bias,
+                comp.kv_norm.weight, ratio, self.head_dim, overlap=kind == CSA)
             visible = (positions[rows] + 1) // ratio  # entries w < visible[t] are complete for token t
             if kind == CSA:
                 chosen = self._index(layer_idx, comp.indexer, x[rows], q_residual[rows], positions[rows], s,
@@ -233,14 +273,11 @@ class DeepseekV4Runtime:
     def _index(self, layer_idx, indexer, x, q_residual, positions, s: SeqStep, visible):
         """Lightning indexer for one sequence's new tokens: pool its keys, score every stored key,
         keep the top-k complete entries per token: [length, k] entry ids, -1 where none."""
-        state = s.state.compressor(layer_idx, "indexer")
-        first_entry = state.entries
-        new_keys = self._pool(state, indexer.kv_proj(x), indexer.gate_proj(x), indexer.position_bias,
-                              indexer.kv_norm.weight, indexer.compress_rate, indexer.head_dim, overlap=True)
         store = self.stores.indexer
         slot = self.store_slot[layer_idx]
-        store.write(slot, s.state.rid, first_entry, new_keys)
-        n_keys = state.entries
+        _, n_keys, _ = self._advance(s, layer_idx, "indexer", store, slot, indexer.kv_proj(x), indexer.gate_proj(x),
+                                     indexer.position_bias, indexer.kv_norm.weight, indexer.compress_rate,
+                                     indexer.head_dim, overlap=True)
         if n_keys == 0:
             return torch.zeros((x.size(0), 0), dtype=torch.long, device=x.device)
         keys = store.read(slot, store.slots(s.state.rid, torch.arange(n_keys)))  # [n_keys, index_head_dim]
@@ -260,7 +297,8 @@ class DeepseekV4Runtime:
 
     def _prefill_attention(self, layer_idx, attn, q, kv, seqs, entries, selections):
         """One packed workspace [sum over sequences of (prompt rows + entry rows), 1, D] and one
-        index list per token: its window rows, then its selected entry rows, -1 elsewhere."""
+        index list per token: its window rows, then its selected entry rows, compacted to the front
+        with index_length = their count (the kernel walks no further), -1 after."""
         window = self.stores.window
         parts, lists = [], []
         base = 0
@@ -270,7 +308,8 @@ class DeepseekV4Runtime:
             rows = window.roundtrip(kv[s.offset: s.offset + s.length])
             parts.append(rows)
             t = torch.arange(s.length, device=q.device)
-            back = torch.arange(self.window - 1, -1, -1, device=q.device)  # distance from the token
+            # distance from the token; a prompt shorter than the window needs only its length
+            back = torch.arange(min(self.window, s.length) - 1, -1, -1, device=q.device)
             pos = t[:, None] - back[None, :]  # [L, W]
             window_idx = torch.where(pos >= 0, base + pos, torch.full_like(pos, -1))
             token_lists = [window_idx]
@@ -282,50 +321,92 @@ class DeepseekV4Runtime:
                 chosen = selections[i]
                 token_lists.append(torch.where(chosen >= 0, entry_base + chosen, -1))
             lists.append(torch.cat(token_lists, dim=1))
-        width = max(l.size(1) for l in lists)
-        width = -(-width // INDEX_PAD) * INDEX_PAD
-        index = torch.full((q.size(0), width), -1, dtype=torch.int32, device=q.device)
+        index = torch.full((q.size(0), max(l.size(1) for l in lists)), -1, dtype=torch.long, device=q.device)
         for s, l in zip(seqs, lists):
-            index[s.offset: s.offset + s.length, : l.size(1)] = l.to(torch.int32)
+            index[s.offset: s.offset + s.length, : l.size(1)] = l
+        # Valid entries first, in order (a stable sort on invalidity); every token has >= 1 (itself).
+        index = index.gather(1, torch.argsort((index < 0).to(torch.int8), dim=1, stable=True))
+        index_length = (index >= 0).sum(dim=1)
+        index = index[:, : int(index_length.max())].to(torch.int32).contiguous()
         workspace = torch.cat(parts).to(q.dtype).unsqueeze(1)
-        return prefill_attn_varlen_sparse(q, workspace, index, attn.scaling, attn_sink=attn.sinks.detach())
+        return prefill_attn_varlen_sparse(q, workspace, index, attn.scaling, attn_sink=attn.sinks.detach(),
+                                          index_length=index_length.to(torch.int32))
 
     def _decode_attention(self, layer_idx, attn, q, seqs, selections):
-        """One decode buffer [B, W + E, 1, D]: window rows first (the adapter views the buffer as
-        one kv tensor, no copy), then the compressed entries each token attends to."""
+        """One decode buffer [B, W' + s_q * E, 1, D]: window rows first (the adapter views the buffer
+        as one kv tensor, no copy), then per query the compressed entries it attends to. Every
+        sequence brings s_q new tokens (1, or k + 1 when verifying drafts); query j of a sequence
+        sees the W window positions ending at its own position."""
         device = q.device
         batch = len(seqs)
+        s_q = seqs[0].length
+        if any(s.length != s_q for s in seqs):
+            raise ValueError(f"seqs: decode needs the same number of new tokens per sequence, got "
+                             f"{[s.length for s in seqs]}")
         window = self.stores.window
         e_width = max(sel.size(1) for sel in selections) if selections else 0
-        buf = torch.empty((batch, self.window + e_width, 1, self.head_dim), dtype=q.dtype, device=device)
-        window_slots = torch.full((batch, self.window), -1, dtype=torch.long)
-        lengths = []
+        # Window rows: those of the batch's queries, fewer while every sequence is short.
+        width = min(self.window + s_q - 1, max(s.start + s_q for s in seqs))
+        topk = min(self.window, width)
+        buf = torch.empty((batch, width + s_q * e_width, 1, self.head_dim), dtype=q.dtype, device=device)
+        window_slots = torch.full((batch, width), -1, dtype=torch.long)
+        indices = torch.full((batch, s_q, topk), -1, dtype=torch.long)
         for b, s in enumerate(seqs):
-            p = s.start
-            n = min(p + 1, self.window)
-            window_slots[b, :n] = window.slots(s.state.rid, torch.arange(p - n + 1, p + 1))
-            lengths.append(n)
-        window.gather(layer_idx, window_slots.to(device), buf[:, : self.window])
-        indices = torch.arange(self.window, dtype=torch.int32, device=device).expand(batch, 1, -1).contiguous()
-        topk_length = torch.tensor(lengths, dtype=torch.int32, device=device)
+            last = s.start + s_q - 1
+            n = min(last + 1, width)
+            first = last - n + 1  # position of buffer row 0
+            window_slots[b, :n] = window.slots(s.state.rid, torch.arange(first, last + 1))
+            for j in range(s_q):
+                p = s.start + j
+                lo = max(0, p - self.window + 1)
+                indices[b, j, : p + 1 - lo] = torch.arange(lo - first, p + 1 - first)
+        window.gather(layer_idx, window_slots.to(device), buf[:, :width])
+        indices = indices.to(torch.int32).to(device)
         extra = {}
         if e_width > 0:
             store = self._compressed_store(attn.layer_type)
             slot = self.store_slot[layer_idx]
-            chosen = torch.full((batch, e_width), -1, dtype=torch.long)
+            # Buffer column j * E + c of request b holds query j's c-th choice; unchosen ones are -1.
+            chosen = torch.full((batch, s_q, e_width), -1, dtype=torch.long)
             for b, sel in enumerate(selections):
-                chosen[b, : sel.size(1)] = sel[0].cpu()
-            entry_slots = torch.full((batch, e_width), -1, dtype=torch.long)
+                chosen[b, :, : sel.size(1)] = sel.cpu()
+            chosen = chosen.view(batch, s_q * e_width)
+            entry_slots = torch.full((batch, s_q * e_width), -1, dtype=torch.long)
             for b, s in enumerate(seqs):
                 valid = chosen[b] >= 0
                 entry_slots[b, valid] = store.slots(s.state.rid, chosen[b, valid])
-            store.gather(slot, entry_slots.to(device), buf[:, self.window:])
-            # Buffer row j of request b holds its j-th choice; unchosen positions are -1 (invalid).
-            columns = torch.arange(e_width, dtype=torch.long).expand(batch, -1)
+            store.gather(slot, entry_slots.to(device), buf[:, width:])
+            columns = torch.arange(s_q * e_width, dtype=torch.long).expand(batch, -1)
             extra = dict(
-                extra_kv_windows=buf[:, self.window:],
-                extra_indices=torch.where(chosen >= 0, columns, -1).to(torch.int32).to(device)[:, None, :],
+                extra_kv_windows=buf[:, width:],
+                extra_indices=torch.where(chosen >= 0, columns, -1).view(batch, s_q, e_width).to(torch.int32).to(device),
             )
-        out, _lse = decode_attn_sparse(q[:, None], buf[:, : self.window], indices, attn.scaling,
-                                       attn_sink=attn.sinks.detach(), topk_length=topk_length, **extra)
-        return out[:, 0]
+        out, _lse = decode_attn_sparse(q.reshape(batch, s_q, *q.shape[1:]), buf[:, :width], indices, attn.scaling,
+                                       attn_sink=attn.sinks.detach(), **extra)
+        return out.flatten(0, 1)
+
+
+class NextNRuntime:
+    """Forward of the NextN (MTP) drafter layer (engine.model.nextn) over its own window store:
+    row i takes token i + 1 and the hidden state h_i (the main model's, or its own for chained
+    drafts), sits at position i, and predicts token i + 2. Window-only: its state is the window
+    rows, so dropping speculative rows is PagedRows.truncate alone."""
+
+    def __init__(self, main: DeepseekV4Runtime, layer, window_store: PagedRows):
+        self.main = main
+        self.layer = layer
+        self.runtime = DeepseekV4Runtime(main.hf, Stores(window=window_store, csa=None, hca=None, indexer=None))
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, seqs: list[SeqStep],
+                *, prefill: bool):
+        """input_ids, positions [T], hidden [T, hidden]. Returns (logits [T, vocab] fp32, the layer's
+        collapsed hidden [T, hidden]) for every row."""
+        eps = self.main.eps
+        layer = self.layer
+        embeds = ops.rms_norm(self.main.model.embed_tokens(input_ids), layer.enorm.weight, eps)
+        x = layer.eh_proj(torch.cat([embeds, ops.rms_norm(hidden, layer.hnorm.weight, eps)], dim=-1))
+        streams = x.unsqueeze(1).expand(-1, self.main.config.hc_mult, -1).contiguous()
+        rope = self.runtime.rope_tables(positions, x.dtype)
+        streams = self.runtime.decoder_layer(0, layer.layer, streams, input_ids, positions, seqs, rope, prefill)
+        return self.runtime.head(layer.hc_head, layer.norm.weight, streams, seqs, True, True)

@@ -4,7 +4,8 @@ Nothing is downloaded. `write_tiny_checkpoint` writes an HF-format directory (co
 model.safetensors, tokenizer.json) that both transformers' DeepseekV4ForCausalLM and the engine
 load. The config covers the three attention layer types (sliding, compressed-sparse with the
 lightning indexer, heavily-compressed) and both MoE kinds (hash-routed and top-k routed) at the
-real attention shapes (64 query heads, head_dim 512 with 64 RoPE dims, window 128).
+real attention shapes (64 query heads, head_dim 512 with 64 RoPE dims, window 128), plus one NextN
+(MTP) layer under `mtp.0.` (engine.model.nextn; transformers ignores those keys).
 
 Weights are drawn per tensor from a generator seeded by (seed, crc32(name)), so they depend only
 on the tensor names and shapes, not on module construction order or the transformers version.
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 # Bumped whenever the generated weights or files change, so stale cached checkpoints are not reused.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 CACHE_ROOT = Path.home() / ".cache" / "deepinfer"
 
 BOS_TOKEN_ID = 0
@@ -59,7 +60,7 @@ TINY_CONFIG_FIELDS = {
         "sliding_attention",
     ],
     "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
-    "num_nextn_predict_layers": 0,
+    "num_nextn_predict_layers": 1,
     "initializer_range": 0.2,
     "bos_token_id": BOS_TOKEN_ID,
     "eos_token_id": EOS_TOKEN_ID,
@@ -105,10 +106,13 @@ def _tensor_for(name: str, shape: torch.Size, dtype: torch.dtype, config, seed: 
 def _tiny_state_dict(config, seed: int) -> dict[str, torch.Tensor]:
     from transformers import DeepseekV4ForCausalLM
 
+    from engine.model.nextn import nextn_state_shapes
+
     with torch.device("meta"):
         skeleton = DeepseekV4ForCausalLM(config)
-    return {name: _tensor_for(name, t.shape, t.dtype, config, seed)
-            for name, t in skeleton.state_dict().items()}
+    shapes = {name: (t.shape, t.dtype) for name, t in skeleton.state_dict().items()}
+    shapes.update(nextn_state_shapes(config))  # the NextN (MTP) layer, under mtp.0.
+    return {name: _tensor_for(name, shape, dtype, config, seed) for name, (shape, dtype) in shapes.items()}
 
 
 def write_tiny_checkpoint(path, *, seed: int = 0) -> Path:
@@ -166,7 +170,8 @@ def default_checkpoint_dir() -> Path:
 
 class ByteTokenizer:
     """Byte-level tokenizer: token = byte + byte_offset; ids below the offset are specials (bos,
-    eos); ids past the byte range (the model can emit them) decode as `<id>`."""
+    eos). decode drops bos and writes every other non-byte id (eos, ids past the byte range, which
+    the model can emit) as `<id>`; invalid UTF-8 decodes with replacement characters."""
 
     def __init__(self, vocab_size: int, bos_token_id: int, eos_token_id: int, byte_offset: int):
         if byte_offset + 256 > vocab_size:
@@ -195,7 +200,7 @@ class ByteTokenizer:
             if pending:
                 pieces.append(pending.decode("utf-8", errors="replace"))
                 pending.clear()
-            if i not in (self.bos_token_id,):
+            if i != self.bos_token_id:
                 pieces.append(f"<{i}>")
         if pending:
             pieces.append(pending.decode("utf-8", errors="replace"))

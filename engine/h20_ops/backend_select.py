@@ -1,0 +1,128 @@
+"""Choosing between the TileLang and the Triton implementation of an op, once per process.
+
+Auto resolution imports the op's TileLang kernel module: only a ModuleNotFoundError for `tilelang`
+itself means "TileLang missing" (-> triton); anything else, a ModuleNotFoundError for one of
+TileLang's dependencies included, is a broken install and propagates. Without CUDA, auto is always
+triton (TileLang kernels only run on an SM90 GPU; Triton runs under its interpreter).
+DEEPINFER_SIMULATE_NO_TILELANG=1 installs an import hook first so that the real auto path runs as on
+a node without TileLang. The result and its reason are logged once per process, with the DP rank
+when torch.distributed is initialized.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import logging
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine import config
+
+log = logging.getLogger(__name__)
+
+_TILELANG_KERNEL_MODULES: set[str] = set()  # every selector's module: dropped with tilelang when blocked
+
+
+class TileLangUnavailableError(RuntimeError):
+    """TileLang was asked for explicitly on a process where it cannot be imported."""
+
+
+@dataclass(frozen=True)
+class Resolution:
+    backend: str
+    reason: str
+    tilelang_missing: str | None  # the ModuleNotFoundError text when auto resolution fell back
+
+
+def _is_tilelang(name: str | None) -> bool:
+    return name is not None and (name == "tilelang" or name.startswith("tilelang."))
+
+
+class _BlockTileLang(importlib.abc.MetaPathFinder):
+    """Makes `import tilelang` (and any submodule) raise ModuleNotFoundError."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if _is_tilelang(fullname):
+            raise ModuleNotFoundError(
+                f"No module named {fullname!r} (blocked by DEEPINFER_SIMULATE_NO_TILELANG=1)", name=fullname)
+        return None
+
+
+def install_tilelang_block() -> None:
+    """Idempotent; also drops already-imported tilelang and TileLang kernel modules so that later
+    imports hit the hook."""
+    if not any(isinstance(f, _BlockTileLang) for f in sys.meta_path):
+        sys.meta_path.insert(0, _BlockTileLang())
+    for name in list(sys.modules):
+        if _is_tilelang(name) or name in _TILELANG_KERNEL_MODULES:
+            del sys.modules[name]
+
+
+def _dp_rank_suffix() -> str:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return f" [dp rank {dist.get_rank()}/{dist.get_world_size()}]"
+    return ""
+
+
+class BackendSelector:
+    """The process-wide backend of one op. `requested` returns the validated value of the op's
+    override variable (None: auto); `variable` is its name, for reasons and errors."""
+
+    def __init__(self, op: str, tilelang_module: str, requested: Callable[[], str | None] = lambda: None,
+                 variable: str | None = None):
+        self.op = op
+        self.tilelang_module = tilelang_module
+        self.requested = requested
+        self.variable = variable
+        self._lock = threading.Lock()
+        self._resolution: Resolution | None = None
+        _TILELANG_KERNEL_MODULES.add(tilelang_module)
+
+    def import_tilelang(self):
+        try:
+            return importlib.import_module(self.tilelang_module)
+        except ModuleNotFoundError as exc:
+            if _is_tilelang(exc.name):
+                raise
+            raise ImportError(f"TileLang kernel module {self.tilelang_module} failed to import: {exc}") from exc
+
+    def _resolve(self) -> Resolution:
+        if config.simulate_no_tilelang():
+            install_tilelang_block()
+        requested = self.requested()
+        if requested is not None and requested != "tilelang":
+            return Resolution(requested, f"{self.variable}={requested}", None)
+        if requested == "tilelang":
+            try:
+                self.import_tilelang()
+            except ModuleNotFoundError as exc:
+                raise TileLangUnavailableError(
+                    f"{self.variable}=tilelang but TileLang cannot be imported ({exc}); install the `tilelang` "
+                    "extra (or the offline bundle, see README) or choose triton") from exc
+            return Resolution("tilelang", f"{self.variable}=tilelang", None)
+        if not torch.cuda.is_available():
+            return Resolution("triton", "auto: no CUDA device (Triton interpreter)", None)
+        try:
+            self.import_tilelang()
+        except ModuleNotFoundError as exc:
+            return Resolution("triton", f"auto: TileLang missing ({exc})", str(exc))
+        return Resolution("tilelang", "auto: TileLang kernel module imported", None)
+
+    def resolution(self) -> Resolution:
+        """The process's resolution (computed and logged once)."""
+        with self._lock:
+            if self._resolution is None:
+                self._resolution = self._resolve()
+                log.warning("%s backend: %s (%s)%s", self.op, self._resolution.backend, self._resolution.reason,
+                            _dp_rank_suffix())
+            return self._resolution
+
+    def reset_for_tests(self) -> None:
+        with self._lock:
+            self._resolution = None
