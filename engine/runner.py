@@ -1,4 +1,5 @@
-"""Single-process engine: greedy decoding of DeepSeek-V4 with continuous batching.
+"""Single-process engine: greedy decoding of DeepSeek-V4 with continuous batching, optionally
+speculative with the checkpoint's NextN (MTP) layer.
 
 Scheduling: requests wait in arrival order. Each iteration first admits waiting requests while the
 batch has room (max_batch_size) and the KV stores can reserve their worst case (prompt +
@@ -6,6 +7,22 @@ max_new_tokens); admitted requests are prefilled together in one packed step, wh
 first token. Otherwise all running requests decode one token in one batched step. A request
 finishes after exactly max_new_tokens tokens (EOS does not stop it, as in the oracle) and frees its
 pages at once, so the next iteration can admit a waiting request while the others keep decoding.
+
+NextN decoding (DEEPINFER_USE_NEXTN_DECODE=1, k = num_speculative_tokens drafts per step):
+  - after a request's prefill, the NextN layer runs over the prompt (row i: token i + 1 and the
+    main model's hidden state h_i) and drafts k tokens greedily (chained drafts feed its own
+    hidden state back);
+  - a decode step verifies every running request's [last token, k drafts] in ONE main-model
+    forward (decode_attn_sparse with s_q = k + 1), then fused_sample.rejection_sample accepts a
+    prefix (greedy: draft j kept iff it equals the target argmax) and emits the correction token,
+    or a bonus token when all k are accepted: 1 .. k + 1 tokens per step;
+  - rejected positions leave no state: the main model's compressors are rolled back
+    (DeepseekV4Runtime.rollback) and pages holding only rejected rows are given back (window and
+    compressed stores, PagedRows.truncate);
+  - the NextN layer then runs once over the k + 1 verified rows (those past the accepted ones are
+    dropped again) and drafts the next k tokens.
+Greedy tokens are therefore the non-speculative engine's (and the oracle's); each emitted token's
+step_logits row is the verifier's logits row it was taken from. stats() adds the acceptance rate.
 
 The model is transformers' DeepseekV4ForCausalLM (weights, MoE, embeddings, head) driven by
 engine.model.deepseek_v4 (norms/RoPE through engine.ops, attention through
@@ -22,10 +39,11 @@ from pathlib import Path
 import torch
 
 from engine import config, ops
-from engine.h20_ops import sparse_mla
+from engine.h20_ops import fused_sample, sparse_mla
 from engine.kv_cache import KV_CACHE_DTYPES, PagedRows, RequestState
-from engine.model.deepseek_v4 import CSA, HCA, DeepseekV4Runtime, SeqStep, Stores
+from engine.model.deepseek_v4 import CSA, HCA, DeepseekV4Runtime, NextNRuntime, SeqStep, Stores
 from engine.model.hf_oracle import load_hf_model
+from engine.model.nextn import load_nextn_layer
 
 PAGE_SIZE = 64
 
@@ -50,6 +68,8 @@ class _Active:
     state: RequestState
     output_ids: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)  # NextN: the k tokens proposed after output_ids
+    draft_logits: torch.Tensor | None = None  # [k, vocab] fp32: the NextN logits each draft was taken from
 
     @property
     def done(self) -> bool:
@@ -58,19 +78,20 @@ class _Active:
 
 class Engine:
     def __init__(self, checkpoint_dir, *, device="cpu", dtype: torch.dtype = torch.float32,
-                 kv_cache_dtype: str = "auto", max_batch_size: int = 8, max_seq_len: int = 4096):
+                 kv_cache_dtype: str = "auto", max_batch_size: int = 8, max_seq_len: int = 4096,
+                 num_speculative_tokens: int = 1):
         """checkpoint_dir: HF-format DeepSeek-V4 directory (engine.model.tiny writes one).
         kv_cache_dtype: "auto" (rows in `dtype`) or "fp8" (MODEL1 layout). max_seq_len bounds
-        prompt + max_new_tokens of every request and sizes the KV stores."""
+        prompt + max_new_tokens of every request and sizes the KV stores.
+        num_speculative_tokens: drafts per decode step when DEEPINFER_USE_NEXTN_DECODE=1 (the
+        checkpoint must then hold NextN weights); unused otherwise."""
         config.validate_all()
-        if config.use_nextn_decode():
-            raise NotImplementedError("DEEPINFER_USE_NEXTN_DECODE=1: NextN (MTP) speculative decoding is not "
-                                      "implemented by this engine; unset it or set it to 0")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype: expected torch.float32 or torch.bfloat16, got {dtype}")
-        for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
+        for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
+                            ("num_speculative_tokens", num_speculative_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
         if not (Path(checkpoint_dir) / "config.json").is_file():
@@ -80,6 +101,11 @@ class Engine:
         self.kv_cache_dtype = kv_cache_dtype
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
+        self.nextn = config.use_nextn_decode()
+        # Rows a request may hold past its last emitted token: the drafts being verified.
+        self.spec_tokens = num_speculative_tokens if self.nextn else 0
+        # Sampling ops follow DEEPINFER_KERNELS (ref: plain torch/numpy; else the fused_sample dispatcher).
+        self.sample_backend = "ref" if config.kernels() == "ref" else None
         self.hf_model = load_hf_model(checkpoint_dir, dtype=dtype, device=self.device)
         cfg = self.hf_model.config
         if kv_cache_dtype == "fp8" and (cfg.head_dim, cfg.qk_rope_head_dim) != (512, 64):
@@ -90,14 +116,24 @@ class Engine:
         self.ratios = {kind: cfg.compress_rates[kind] for kind in (CSA, HCA)}
         self.stores = self._build_stores(cfg)
         self.runtime = DeepseekV4Runtime(self.hf_model, self.stores)
+        self.nextn_window: PagedRows | None = None
+        self.nextn_runtime: NextNRuntime | None = None
+        if self.nextn:
+            layer = load_nextn_layer(checkpoint_dir, cfg, dtype=dtype, device=self.device)
+            self.nextn_window = PagedRows(
+                "nextn_window", num_layers=1, num_pages=self.stores.window.num_pages, page_size=PAGE_SIZE,
+                row_dim=cfg.head_dim, dtype=self.dtype, device=self.device, fp8=kv_cache_dtype == "fp8")
+            self.nextn_runtime = NextNRuntime(self.runtime, layer, self.nextn_window)
         self._stats = dict(prefill_tokens=0, prefill_seconds=0.0, prefill_steps=0,
-                           decode_tokens=0, decode_seconds=0.0, decode_steps=0)
+                           decode_tokens=0, decode_seconds=0.0, decode_steps=0, generated_tokens=0)
+        self._spec_stats = dict(draft_seconds=0.0, draft_tokens=0, accepted_tokens=0)
 
     # -- KV stores --------------------------------------------------------------------------
     def _store_pages(self, max_len: int) -> dict[str, int]:
         """Worst-case pages of one request whose stored length never exceeds max_len."""
         rows = {
-            "window": min(-(-max_len // PAGE_SIZE), (self.window - 1) // PAGE_SIZE + 2),
+            # held at once: the window of the last verified row, and the rows being verified
+            "window": min(-(-max_len // PAGE_SIZE), (self.window - 1 + self.spec_tokens) // PAGE_SIZE + 2),
             "csa": -(-(max_len // self.ratios[CSA]) // PAGE_SIZE),
             "hca": -(-(max_len // self.ratios[HCA]) // PAGE_SIZE),
         }
@@ -106,7 +142,7 @@ class Engine:
 
     def _build_stores(self, cfg) -> Stores:
         counts = {kind: sum(t == kind for t in cfg.layer_types) for kind in (CSA, HCA)}
-        pages = self._store_pages(self.max_seq_len)
+        pages = self._store_pages(self.max_seq_len + self.spec_tokens)
         fp8 = self.kv_cache_dtype == "fp8"
 
         def store(name, num_layers, row_dim, quantized):
@@ -124,14 +160,22 @@ class Engine:
         )
 
     def _live_stores(self) -> dict[str, PagedRows]:
-        return {name: s for name, s in vars(self.stores).items() if s is not None}
+        live = {name: s for name, s in vars(self.stores).items() if s is not None}
+        if self.nextn_window is not None:
+            live["nextn_window"] = self.nextn_window
+        return live
+
+    def _needed_pages(self, request: Request) -> dict[str, int]:
+        need = self._store_pages(len(request.prompt_ids) + request.max_new_tokens - 1 + self.spec_tokens)
+        need["nextn_window"] = need["window"]
+        return need
 
     def _fits(self, request: Request) -> bool:
-        need = self._store_pages(len(request.prompt_ids) + request.max_new_tokens - 1)
+        need = self._needed_pages(request)
         return all(need[name] <= store.available() for name, store in self._live_stores().items())
 
     def _admit(self, request: Request) -> _Active:
-        need = self._store_pages(len(request.prompt_ids) + request.max_new_tokens - 1)
+        need = self._needed_pages(request)
         for name, store in self._live_stores().items():
             store.admit(request.request_id, need[name])
         return _Active(request, RequestState(request.request_id))
@@ -196,44 +240,176 @@ class Engine:
             raise
         return [finished[r.request_id] for r in requests]
 
-    def _step(self, batch: list[_Active], tokens: list[list[int]], *, prefill: bool) -> None:
+    @staticmethod
+    def _seq_steps(batch: list[_Active], lengths: list[int], starts: list[int]) -> list[SeqStep]:
         seqs, offset = [], 0
-        for active, toks in zip(batch, tokens):
-            seqs.append(SeqStep(active.state, active.state.length, len(toks), offset))
-            offset += len(toks)
+        for active, length, start in zip(batch, lengths, starts):
+            seqs.append(SeqStep(active.state, start, length, offset))
+            offset += length
+        return seqs
+
+    def _inputs(self, seqs: list[SeqStep], tokens: list[list[int]]):
         input_ids = torch.tensor([t for toks in tokens for t in toks], dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in seqs]).to(self.device)
-        logits = self.runtime.forward(input_ids, positions, seqs, prefill=prefill)
-        next_tokens = logits.argmax(dim=-1).tolist()
-        window_store = self.stores.window
+        return input_ids, positions
+
+    def _greedy(self, logits: torch.Tensor) -> list[int]:
+        return fused_sample.greedy_sample(logits, backend=self.sample_backend).tolist()
+
+    def _release_window_rows(self, active: _Active) -> None:
+        """Rows older than the next query's window are never read again."""
+        first_needed = active.state.length - self.window + 1
+        self.stores.window.release_rows_before(active.state.rid, first_needed)
+        if self.nextn_window is not None:
+            self.nextn_window.release_rows_before(active.state.rid, first_needed)
+
+    def _step(self, batch: list[_Active], tokens: list[list[int]], *, prefill: bool) -> None:
+        seqs = self._seq_steps(batch, [len(t) for t in tokens], [a.state.length for a in batch])
+        input_ids, positions = self._inputs(seqs, tokens)
+        logits, hidden = self.runtime.forward(input_ids, positions, seqs, prefill=prefill,
+                                              all_hidden=prefill and self.nextn)
+        next_tokens = self._greedy(logits) if self.nextn else logits.argmax(dim=-1).tolist()
         for active, seq, row, token in zip(batch, seqs, logits, next_tokens):
             active.state.length += seq.length
-            # Rows older than the next query's window are never read again.
-            window_store.release_rows_before(active.state.rid, active.state.length - self.window + 1)
+            self._release_window_rows(active)
             active.output_ids.append(int(token))
             active.logits.append(row.cpu())
+        if prefill and self.nextn:
+            start = time.perf_counter()
+            self._draft_after_prefill(batch, seqs, hidden)
+            self._spec_stats["draft_seconds"] += time.perf_counter() - start
 
     def _prefill(self, batch: list[_Active]) -> None:
         start = time.perf_counter()
         self._step(batch, [a.request.prompt_ids for a in batch], prefill=True)
         self._stats["prefill_seconds"] += time.perf_counter() - start
         self._stats["prefill_tokens"] += sum(len(a.request.prompt_ids) for a in batch)
+        self._stats["generated_tokens"] += len(batch)
         self._stats["prefill_steps"] += 1
 
     def _decode(self, batch: list[_Active]) -> None:
         start = time.perf_counter()
-        self._step(batch, [[a.output_ids[-1]] for a in batch], prefill=False)
+        if self.nextn:
+            emitted = self._verify(batch)
+        else:
+            self._step(batch, [[a.output_ids[-1]] for a in batch], prefill=False)
+            emitted = len(batch)
         self._stats["decode_seconds"] += time.perf_counter() - start
-        self._stats["decode_tokens"] += len(batch)
+        self._stats["decode_tokens"] += emitted
+        self._stats["generated_tokens"] += emitted
         self._stats["decode_steps"] += 1
 
+    # -- NextN speculative decoding -------------------------------------------------------------
+    def _draft_after_prefill(self, batch: list[_Active], seqs: list[SeqStep], hidden: torch.Tensor) -> None:
+        """NextN over each prompt: row i gets token i + 1 (the prompt shifted, then the first output
+        token) and h_i; the last row drafts."""
+        todo = [i for i, a in enumerate(batch) if not a.done]
+        if not todo:
+            return
+        batch = [batch[i] for i in todo]
+        rows = torch.cat([torch.arange(seqs[i].offset, seqs[i].offset + seqs[i].length) for i in todo])
+        nextn_seqs = self._seq_steps(batch, [seqs[i].length for i in todo], [0] * len(batch))
+        tokens = [a.request.prompt_ids[1:] + [a.output_ids[-1]] for a in batch]
+        input_ids, positions = self._inputs(nextn_seqs, tokens)
+        logits, nextn_hidden = self.nextn_runtime.forward(input_ids, hidden[rows.to(hidden.device)], positions,
+                                                          nextn_seqs, prefill=True)
+        last = torch.tensor([s.offset + s.length - 1 for s in nextn_seqs], device=logits.device)
+        self._draft_chain(batch, logits[last], nextn_hidden[last])
+
+    def _draft_chain(self, batch: list[_Active], logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Draft k tokens per request: the first from `logits` [B, vocab] (the NextN row of the last
+        emitted token), each further one by the NextN layer on the previous draft and its own hidden
+        state. Its window rows past the emitted tokens are dropped afterwards (verification rewrites them)."""
+        drafts, draft_logits = [self._greedy(logits)], [logits]
+        for j in range(1, self.spec_tokens):
+            seqs = self._seq_steps(batch, [1] * len(batch), [a.state.length + j - 1 for a in batch])
+            input_ids, positions = self._inputs(seqs, [[d] for d in drafts[-1]])
+            logits, hidden = self.nextn_runtime.forward(input_ids, hidden, positions, seqs, prefill=False)
+            drafts.append(self._greedy(logits))
+            draft_logits.append(logits)
+        for b, active in enumerate(batch):
+            active.drafts = [d[b] for d in drafts]
+            active.draft_logits = torch.stack([l[b] for l in draft_logits])
+            self.nextn_window.truncate(active.state.rid, active.state.length)
+
+    def _verify(self, batch: list[_Active]) -> int:
+        """One speculative decode step for every running request; returns the tokens emitted."""
+        k = self.spec_tokens
+        starts = [a.state.length for a in batch]
+        seqs = self._seq_steps(batch, [k + 1] * len(batch), starts)
+        input_ids, positions = self._inputs(seqs, [[a.output_ids[-1], *a.drafts] for a in batch])
+        logits, hidden = self.runtime.forward(input_ids, positions, seqs, prefill=False, all_logits=True,
+                                              all_hidden=True, speculative=True)
+        target = logits.view(len(batch), k + 1, -1)
+        n = len(batch)
+        device = target.device
+        tokens, accepted = fused_sample.rejection_sample(
+            target, torch.stack([a.draft_logits for a in batch]).to(device),
+            torch.tensor([a.drafts for a in batch], dtype=torch.long, device=device),
+            seeds=torch.zeros(n, dtype=torch.long, device=device),
+            positions=torch.tensor(starts, dtype=torch.long, device=device) + 1,
+            temperature=torch.zeros(n, dtype=torch.float32, device=device),  # greedy
+            top_k=torch.zeros(n, dtype=torch.long, device=device),
+            top_p=torch.ones(n, dtype=torch.float32, device=device),
+            backend=self.sample_backend)
+        tokens, accepted = tokens.tolist(), accepted.tolist()
+        emitted_total = 0
+        for b, active in enumerate(batch):
+            kept = accepted[b] + 1  # verified rows that stay: the last token and the accepted drafts
+            self._spec_stats["draft_tokens"] += k
+            self._spec_stats["accepted_tokens"] += accepted[b]
+            if kept < k + 1:
+                self.runtime.rollback(active.state, kept)
+            self.stores.window.truncate(active.state.rid, starts[b] + kept)
+            active.state.length = starts[b] + kept
+            self._release_window_rows(active)
+            emit = tokens[b][:kept][: active.request.max_new_tokens - len(active.output_ids)]
+            active.output_ids.extend(emit)
+            active.logits.extend(target[b, : len(emit)].cpu())
+            emitted_total += len(emit)
+        self._draft_after_verify(batch, seqs, tokens, accepted, hidden)
+        return emitted_total
+
+    def _draft_after_verify(self, batch, seqs, tokens, accepted, hidden) -> None:
+        """NextN over the k + 1 verified rows (row j: the token emitted after it, h of the verifier);
+        rows past the accepted ones carry filler tokens and are dropped; the row of the last emitted
+        token drafts."""
+        start = time.perf_counter()
+        todo = [b for b, a in enumerate(batch) if not a.done]
+        if todo:
+            k1 = self.spec_tokens + 1
+            active = [batch[b] for b in todo]
+            rows = torch.cat([torch.arange(seqs[b].offset, seqs[b].offset + k1) for b in todo])
+            nextn_seqs = self._seq_steps(active, [k1] * len(todo), [seqs[b].start for b in todo])
+            # rows past the emitted tokens repeat the last one (any token would do: they are dropped)
+            inputs = [[tokens[b][min(j, accepted[b])] for j in range(k1)] for b in todo]
+            input_ids, positions = self._inputs(nextn_seqs, inputs)
+            logits, nextn_hidden = self.nextn_runtime.forward(input_ids, hidden[rows.to(hidden.device)], positions,
+                                                              nextn_seqs, prefill=False)
+            last = torch.tensor([s.offset + accepted[b] for s, b in zip(nextn_seqs, todo)], device=logits.device)
+            self._draft_chain(active, logits[last], nextn_hidden[last])
+        self._spec_stats["draft_seconds"] += time.perf_counter() - start
+
     def stats(self) -> dict:
-        """Token and time counters since construction, op fallbacks and the sparse MLA backend."""
-        return {
-            **self._stats,
+        """Token and time counters since construction, op fallbacks and the sparse MLA backend; with
+        NextN decoding also the drafted / accepted counts and the acceptance rate."""
+        st = self._stats
+        seconds = st["prefill_seconds"] + st["decode_seconds"]
+        out = {
+            **st,
+            # generated tokens (each request's first from its prefill) per second of prefill + decode
+            "tokens_per_s": st["generated_tokens"] / seconds if seconds else None,
+            "decode_tokens_per_s": st["decode_tokens"] / st["decode_seconds"] if st["decode_seconds"] else None,
             "op_fallbacks": ops.fallback_counts(),
             "sparse_mla_backend": sparse_mla.resolve_backend(),
             "kv_cache_dtype": self.kv_cache_dtype,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
+            "nextn_decode": self.nextn,
         }
+        if self.nextn:
+            drafted = self._spec_stats["draft_tokens"]
+            out.update(self._spec_stats, num_speculative_tokens=self.spec_tokens,
+                       acceptance_rate=self._spec_stats["accepted_tokens"] / drafted if drafted else None,
+                       tokens_per_decode_step=st["decode_tokens"] / st["decode_steps"] if st["decode_steps"] else None)
+        return out

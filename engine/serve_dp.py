@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 # The launcher kills ranks this long after the deadline; ranks need part of it to report after
@@ -176,11 +175,15 @@ def _serve_share(record: RankRecord, job: DPJob, device: torch.device) -> None:
     engine = job.engine_factory(device)
     record.stage = "serve"
     record.prompt_indices = round_robin(len(job.prompts), job.ranks)[record.rank]
-    requests = [Request(CONTROL_REQUEST_ID, list(job.control_prompt), job.max_new_tokens)]
-    requests += [Request(prompt_request_id(i), list(job.prompts[i]), job.max_new_tokens)
-                 for i in record.prompt_indices]
+    control = Request(CONTROL_REQUEST_ID, list(job.control_prompt), job.max_new_tokens)
+    share = [Request(prompt_request_id(i), list(job.prompts[i]), job.max_new_tokens)
+             for i in record.prompt_indices]
+    requests = [control, *share]
     start = time.perf_counter()
-    completions = engine.generate(requests)
+    # The control prompt runs in a batch of its own on every rank, so its batch (and every GEMM
+    # shape) is the same everywhere: the agreement check compares replicas; batch invariance is a
+    # separate property the bf16 GEMMs do not have.
+    completions = engine.generate([control]) + (engine.generate(share) if share else [])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     record.serve_seconds = time.perf_counter() - start

@@ -29,6 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+# FlashMLA's test distribution (0.1 * N(0, 1)), for which its decode tolerances are made: P.V takes P
+# in bf16, so unit-variance inputs exceed abs 1e-3 on rounding alone.
+INPUT_SCALE = 0.1
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import engine.h20_ops  # noqa: E402,F401  (TRITON_INTERPRET on CPU before kernel modules load)
@@ -76,7 +80,7 @@ def make_inputs(case: Case, seed: int, device, *, empty_slots: bool):
         slots = slots.int()
         if empty_slots and b > 1:
             slots[-1, rows_per_request // 2:] = -1  # a request with a short history
-        kv = torch.randn(b * rows_per_request, 1, D, generator=g)
+        kv = torch.randn(b * rows_per_request, 1, D, generator=g) * INPUT_SCALE
         kv *= torch.exp2(torch.randint(-1, 2, (b * rows_per_request, 1, 1), generator=g).float())
         kv_quant.quantize_into_cache(cache, slots.view(-1).to(device), kv.to(device, torch.bfloat16))
         return cache, slots.to(device)
@@ -121,7 +125,7 @@ def make_inputs(case: Case, seed: int, device, *, empty_slots: bool):
         sink[: case.heads // 4] = float("inf")
         sink[case.heads // 4: case.heads // 2] = float("-inf")
         args["attn_sink"] = sink.to(device)
-    args["q"] = torch.randn(b, case.s_q, case.heads, D, generator=g).to(device, activation_dtype(device))
+    args["q"] = (torch.randn(b, case.s_q, case.heads, D, generator=g) * INPUT_SCALE).to(device, activation_dtype(device))
     return args, buf, caches
 
 

@@ -280,9 +280,3 @@ def test_engine_gives_pages_back_after_a_failing_step(checkpoint, backend_env, m
         Engine(checkpoint, kv_cache_dtype="int8")
     with pytest.raises(FileNotFoundError, match="checkpoint_dir"):
         Engine(checkpoint / "missing")
-
-
-def test_engine_refuses_nextn_decode(checkpoint, backend_env):
-    backend_env(DEEPINFER_USE_NEXTN_DECODE="1")
-    with pytest.raises(NotImplementedError, match="DEEPINFER_USE_NEXTN_DECODE"):
-        Engine(checkpoint)

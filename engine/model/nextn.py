@@ -68,7 +68,16 @@ def load_nextn_layer(checkpoint_dir, config, *, dtype: torch.dtype, device) -> N
     if not state:
         raise ValueError(f"checkpoint_dir: {path} has no NextN ({PREFIX}*) weights; NextN decoding "
                          f"(DEEPINFER_USE_NEXTN_DECODE=1) needs them")
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4PreTrainedModel
+
     with torch.device("meta"):
         layer = NextNLayer(config)
     layer.load_state_dict(state, strict=True, assign=True)
-    return layer.to(device=device, dtype=dtype).eval()
+    layer = layer.to(device=device, dtype=dtype).eval()
+    # As transformers loads the main model: these modules stay float32 in every dtype (the
+    # attention kernels take float32 sinks); the NextN input norms count as norms.
+    fp32_modules = set(DeepseekV4PreTrainedModel._keep_in_fp32_modules_strict) | {"enorm", "hnorm"}
+    for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
+        if tensor.is_floating_point() and fp32_modules & set(name.split(".")):
+            tensor.data = tensor.data.float()
+    return layer

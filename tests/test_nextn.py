@@ -1,0 +1,286 @@
+"""NextN (MTP) speculative decoding in the engine (DEEPINFER_USE_NEXTN_DECODE=1).
+
+Reference: the same engine without NextN, whose greedy tokens equal transformers' eager model
+(tests/test_model_engine.py). With NextN the greedy tokens must be the same token for token, the
+per-step logits the same to fp32 rounding, and every state the non-speculative engine holds at a
+given stored length (compressor buffers and entry counts, held pages, window rows, compressed
+entries) must be the same after rejected drafts were rolled back.
+The tiny checkpoint's NextN layer has random weights, so its own drafts are almost never accepted;
+an "oracle drafter" (the real NextN runs, then its drafts are replaced by the reference tokens,
+every third one deliberately wrong) makes steps accept 0, 1 or all k drafts (+ the bonus token).
+Prompts: 150 tokens (longer than the 128 window: pages released, CSA/HCA entries), 62 tokens (its
+first verified rows straddle a page boundary) and one token, with max_batch_size 2 so that a request is admitted while others verify.
+"""
+
+import json
+
+import pytest
+import torch
+
+from engine import ops
+from engine.h20_ops import fused_sample, sparse_mla
+from engine.model import nextn, tiny
+from engine.runner import Engine, Request
+
+FP32_LOGITS_ATOL = 2e-3  # as tests/test_model_engine.py: summation-order differences stay ~1e-4
+STATE_ATOL = 1e-4  # stored rows: the verifier computes k + 1 rows per matmul, the reference one
+
+
+def _random_prompt(n, seed):
+    return torch.randint(2, 258, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# "mid" verifies rows 62..64 first: a rejected row 64 alone holds a window page that must be given back.
+PROMPTS = {"long": (_random_prompt(150, 1), 6), "mid": (_random_prompt(62, 2), 8), "one": ([0], 5)}
+
+
+def _requests(names=tuple(PROMPTS)):
+    return [Request(n, PROMPTS[n][0], PROMPTS[n][1]) for n in names]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny.write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
+
+
+def _set_env(monkeypatch, **values):
+    for name in ("DEEPINFER_SPARSE_MLA_BACKEND", "DEEPINFER_KERNELS", "DEEPINFER_OPS_STRICT",
+                 "DEEPINFER_USE_NEXTN_DECODE", "DEEPINFER_SIMULATE_NO_TILELANG"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+    sparse_mla.reset_resolution_for_tests()
+    fused_sample.reset_resolution_for_tests()
+    ops.reset_fallback_counts()
+
+
+@pytest.fixture(autouse=True)
+def _reset_resolutions():
+    yield
+    sparse_mla.reset_resolution_for_tests()
+    fused_sample.reset_resolution_for_tests()
+
+
+def _snapshot(engine, active):
+    """Everything the main model keeps for one request, at its current stored length."""
+    state = active.state
+    rid = state.rid
+    stores = engine.stores
+    length = state.length
+    first = max(0, length - engine.window + 1)
+    window_rows = torch.stack([stores.window.read(layer, stores.window.slots(rid, torch.arange(first, length)))
+                               for layer in range(len(stores.window.layers))])
+    snap = {"window_rows": window_rows,
+            "pages": {name: s.held_pages(rid) for name, s in vars(stores).items() if s is not None}}
+    for (layer, name), comp in sorted(state.compressors.items()):
+        store = stores.indexer if name == "indexer" else engine.runtime._compressed_store(
+            engine.hf_model.config.layer_types[layer])
+        slot = engine.runtime.store_slot[layer]
+        snap[f"{layer}.{name}"] = dict(
+            entries=comp.entries,
+            buffer=comp.buffer_kv.clone(),
+            overlap=None if comp.overlap_kv is None else comp.overlap_kv.clone(),
+            rows=store.read(slot, store.slots(rid, torch.arange(comp.entries))))
+    return snap
+
+
+def _record_states(engine, monkeypatch):
+    """(request id, stored length) -> snapshot, taken whenever a step has settled a request."""
+    states = {}
+    real = engine._release_window_rows
+
+    def recording(active):
+        real(active)
+        states[(active.state.rid, active.state.length)] = _snapshot(engine, active)
+
+    monkeypatch.setattr(engine, "_release_window_rows", recording)
+    return states
+
+
+def _assert_same_state(mine, ref, where):
+    assert mine["pages"] == ref["pages"], f"{where}: held pages {mine['pages']} != {ref['pages']}"
+    assert mine.keys() == ref.keys(), where
+    torch.testing.assert_close(mine["window_rows"], ref["window_rows"], atol=STATE_ATOL, rtol=0, msg=where)
+    for key in mine.keys() - {"pages", "window_rows"}:
+        a, b = mine[key], ref[key]
+        assert a["entries"] == b["entries"], f"{where} {key}: {a['entries']} entries != {b['entries']}"
+        assert a["buffer"].shape == b["buffer"].shape, f"{where} {key}: compressor buffer shapes differ"
+        torch.testing.assert_close(a["buffer"], b["buffer"], atol=STATE_ATOL, rtol=0, msg=f"{where} {key}")
+        assert (a["overlap"] is None) == (b["overlap"] is None), f"{where} {key}"
+        if a["overlap"] is not None:
+            torch.testing.assert_close(a["overlap"], b["overlap"], atol=STATE_ATOL, rtol=0, msg=f"{where} {key}")
+        torch.testing.assert_close(a["rows"], b["rows"], atol=STATE_ATOL, rtol=0, msg=f"{where} {key}")
+
+
+def _all_pages_free(engine):
+    for name, store in engine._live_stores().items():
+        assert store.available() == store.num_pages, f"{name} store leaked pages"
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """The non-speculative engine (ref attention and ops): completions, stats, per-length states."""
+    with pytest.MonkeyPatch.context() as mp:
+        _set_env(mp, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="0")
+        engine = Engine(checkpoint, max_batch_size=2, max_seq_len=256)
+        states = _record_states(engine, mp)
+        completions = engine.generate(_requests())
+        return {c.request_id: c for c in completions}, engine.stats(), states
+
+
+def _assert_same_completions(completions, reference):
+    ref, _, _ = reference
+    for c in completions:
+        r = ref[c.request_id]
+        assert c.output_ids == r.output_ids, f"{c.request_id}: NextN {c.output_ids} != reference {r.output_ids}"
+        assert c.step_logits.shape == r.step_logits.shape
+        diff = float((c.step_logits - r.step_logits).abs().max())
+        assert diff < FP32_LOGITS_ATOL, f"{c.request_id}: per-step logits differ by {diff}"
+
+
+# ------------------------------------------------------------------------------------------
+
+def test_checkpoint_carries_nextn_weights_that_transformers_ignores(checkpoint):
+    from safetensors.torch import load_file
+
+    state = load_file(checkpoint / "model.safetensors")
+    mtp = sorted(k for k in state if k.startswith(nextn.PREFIX))
+    expected = {"enorm.weight", "hnorm.weight", "eh_proj.weight", "norm.weight", "hc_head.hc_fn",
+                "layer.self_attn.kv_proj.weight", "layer.self_attn.sinks", "layer.mlp.gate.weight"}
+    assert expected <= {k[len(nextn.PREFIX):] for k in mtp}
+    assert not any("compressor" in k for k in mtp), "the NextN layer is window-only"
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    assert state[nextn.PREFIX + "eh_proj.weight"].shape == (cfg["hidden_size"], 2 * cfg["hidden_size"])
+    # The NextN layer is not a copy of a main layer.
+    assert not torch.equal(state[nextn.PREFIX + "layer.self_attn.kv_proj.weight"],
+                           state["model.layers.0.self_attn.kv_proj.weight"])
+
+
+def test_reference_matches_the_transformers_oracle(checkpoint, reference):
+    """The chain NextN == reference == oracle, in fp32: the reference's link, for these prompts."""
+    from engine.model.hf_oracle import hf_greedy
+
+    names = list(PROMPTS)
+    results = hf_greedy(checkpoint, [PROMPTS[n][0] for n in names], max(n for _, n in PROMPTS.values()))
+    for name, (tokens, logits) in zip(names, results):
+        n = PROMPTS[name][1]
+        ref = reference[0][name]
+        assert ref.output_ids == tokens[:n], f"{name}: engine {ref.output_ids} != oracle {tokens[:n]}"
+        assert float((ref.step_logits - logits[:n]).abs().max()) < FP32_LOGITS_ATOL
+
+
+def test_nextn_greedy_equals_reference_and_reports_acceptance(checkpoint, reference, monkeypatch):
+    """The checkpoint's own (random) NextN drafts, k = 1: tokens as without NextN."""
+    _set_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
+    engine = Engine(checkpoint, max_batch_size=2, max_seq_len=256)
+    states = _record_states(engine, monkeypatch)
+    _assert_same_completions(engine.generate(_requests()), reference)
+    stats = engine.stats()
+    ref_stats = reference[1]
+    assert "acceptance_rate" not in ref_stats and ref_stats["nextn_decode"] is False
+    assert stats["nextn_decode"] is True and stats["num_speculative_tokens"] == 1
+    assert stats["decode_tokens"] == ref_stats["decode_tokens"] == sum(n - 1 for _, n in PROMPTS.values())
+    assert 0 <= stats["accepted_tokens"] <= stats["draft_tokens"]
+    assert stats["draft_tokens"] > 0 and 0.0 <= stats["acceptance_rate"] <= 1.0
+    assert stats["acceptance_rate"] == stats["accepted_tokens"] / stats["draft_tokens"]
+    assert stats["tokens_per_s"] > 0 and stats["generated_tokens"] == sum(n for _, n in PROMPTS.values())
+    for (rid, length), snap in states.items():
+        if (rid, length) in reference[2]:
+            _assert_same_state(snap, reference[2][(rid, length)], f"{rid} at length {length}")
+    _all_pages_free(engine)
+
+
+def test_accepted_and_rejected_drafts_leave_the_reference_state(checkpoint, reference, monkeypatch):
+    """k = 2 with an oracle drafter: steps accept 0, 1 or 2 drafts (+ bonus); after each step the
+    main model's state equals the non-speculative engine's at the same stored length."""
+    _set_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
+    engine = Engine(checkpoint, max_batch_size=2, max_seq_len=256, num_speculative_tokens=2)
+    ref_tokens = {rid: c.output_ids for rid, c in reference[0].items()}
+    vocab = engine.vocab_size
+    real_chain = engine._draft_chain
+
+    def oracle_drafts(batch, logits, hidden):
+        real_chain(batch, logits, hidden)  # the NextN layer still runs and keeps its window
+        for active in batch:
+            n = len(active.output_ids)
+            truth = [ref_tokens[active.request.request_id][n + j] if n + j < active.request.max_new_tokens else 3
+                     for j in range(2)]
+            active.drafts = [t if (n + j) % 3 != 2 else (t + 1) % vocab for j, t in enumerate(truth)]
+
+    verified = []
+    real_verify = engine._verify
+
+    def counting_verify(batch):
+        verified.append(len(batch))
+        return real_verify(batch)
+
+    monkeypatch.setattr(engine, "_draft_chain", oracle_drafts)
+    monkeypatch.setattr(engine, "_verify", counting_verify)
+    states = _record_states(engine, monkeypatch)
+    _assert_same_completions(engine.generate(_requests()), reference)
+    stats = engine.stats()
+    assert stats["draft_tokens"] == 2 * sum(verified)
+    assert 0.0 < stats["acceptance_rate"] < 1.0, stats
+    assert stats["decode_tokens"] == reference[1]["decode_tokens"]
+    assert stats["decode_steps"] < reference[1]["decode_steps"], "accepted drafts must save steps"
+    compared = [key for key in states if key in reference[2]]
+    assert len(compared) >= 8, f"too few common lengths to compare: {compared}"
+    for key in compared:
+        _assert_same_state(states[key], reference[2][key], f"{key[0]} at length {key[1]}")
+    _all_pages_free(engine)
+
+
+def test_paged_rows_truncate_and_release_return_pages_to_the_reservation():
+    from engine.kv_cache import CacheCapacityError, PagedRows
+
+    store = PagedRows("t", num_layers=1, num_pages=4, page_size=4, row_dim=8, dtype=torch.float32,
+                      device="cpu", fp8=False)
+    store.admit("a", 2)
+    rows = torch.randn(8, 8)
+    store.write(0, "a", 0, rows)  # rows 0..7: pages 0, 1 (the whole reservation)
+    assert store.held_pages("a") == 2 and store.available() == 2
+    store.truncate("a", 5)  # rows 5..7 dropped: page 1 still holds row 4
+    assert store.held_pages("a") == 2
+    store.truncate("a", 4)  # page 1 held only dropped rows
+    assert store.held_pages("a") == 1 and store.available() == 2
+    store.write(0, "a", 4, rows[:4])  # taken again within the reservation
+    with pytest.raises(CacheCapacityError, match="reservation"):
+        store.write(0, "a", 8, rows[:1])
+    store.release_rows_before("a", 4)  # page 0 left the window: one page may be taken again
+    store.write(0, "a", 8, rows[:1])
+    torch.testing.assert_close(store.read(0, store.slots("a", torch.arange(4, 9))), torch.cat([rows[:4], rows[:1]]))
+    assert store.held_pages("a") == 2
+    store.drop("a")
+    assert store.available() == store.num_pages
+
+
+def test_nextn_needs_nextn_weights_and_valid_k(checkpoint, tmp_path, monkeypatch):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bare = tmp_path / "bare"
+    shutil.copytree(checkpoint, bare)
+    state = {k: v for k, v in load_file(checkpoint / "model.safetensors").items() if not k.startswith("mtp.")}
+    save_file(state, str(bare / "model.safetensors"), metadata={"format": "pt"})
+    _set_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
+    with pytest.raises(ValueError, match="checkpoint_dir: .* no NextN"):
+        Engine(bare)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        Engine(checkpoint, num_speculative_tokens=0)
+
+
+def test_nextn_triton_default_path(checkpoint, reference, monkeypatch):
+    """TileLang blocked: triton sparse MLA and ops (interpreted), Triton rejection sampling, strict."""
+    _set_env(monkeypatch, DEEPINFER_SIMULATE_NO_TILELANG="1", DEEPINFER_KERNELS="triton", DEEPINFER_OPS_STRICT="1",
+             DEEPINFER_USE_NEXTN_DECODE="1")
+    engine = Engine(checkpoint, max_batch_size=2)
+    completions = engine.generate([Request("mid", PROMPTS["mid"][0], 3), Request("one", [0], 3)])
+    for c in completions:
+        ref = reference[0][c.request_id]
+        assert c.output_ids == ref.output_ids[:3]
+        assert float((c.step_logits - ref.step_logits[:3]).abs().max()) < FP32_LOGITS_ATOL
+    stats = engine.stats()
+    assert stats["sparse_mla_backend"] == "triton" and stats["op_fallbacks"] == {}
+    assert fused_sample.resolve_backend() == "triton" and 0.0 <= stats["acceptance_rate"] <= 1.0
+    _all_pages_free(engine)
