@@ -392,7 +392,9 @@ class Engine:
 
     def stats(self) -> dict:
         """Token and time counters since construction, op fallbacks and the sparse MLA backend; with
-        NextN decoding also the drafted / accepted counts and the acceptance rate."""
+        NextN decoding also: drafted / accepted counts, acceptance rate (None before any
+        verification), emitted tokens per decode step, the sampling backend, and draft_seconds (NextN
+        time, already counted in prefill_seconds / decode_seconds)."""
         st = self._stats
         seconds = st["prefill_seconds"] + st["decode_seconds"]
         out = {
@@ -410,6 +412,7 @@ class Engine:
         if self.nextn:
             drafted = self._spec_stats["draft_tokens"]
             out.update(self._spec_stats, num_speculative_tokens=self.spec_tokens,
+                       fused_sample_backend=self.sample_backend or fused_sample.resolve_backend(),
                        acceptance_rate=self._spec_stats["accepted_tokens"] / drafted if drafted else None,
                        tokens_per_decode_step=st["decode_tokens"] / st["decode_steps"] if st["decode_steps"] else None)
         return out

@@ -15,6 +15,9 @@ Sequence rules (transformers' eager model is the oracle): a query at position p 
 positions p - W + 1 .. p (W = sliding_window, itself included) and the compressed entries
 w < (p + 1) // ratio; a ratio-4 layer attends only to the indexer's top-k among those.
 Prefill always starts at position 0 (no chunked prefill, no prefix reuse).
+Decode takes the same number of new tokens per sequence: 1, or k + 1 when verifying NextN drafts
+(decode_attn_sparse with s_q = k + 1); a speculative forward journals the compressor states so that
+`rollback` can drop the rejected tail. NextNRuntime runs the NextN (MTP) drafter layer.
 """
 
 from __future__ import annotations
@@ -350,17 +353,18 @@ class DeepseekV4Runtime:
         topk = min(self.window, width)
         buf = torch.empty((batch, width + s_q * e_width, 1, self.head_dim), dtype=q.dtype, device=device)
         window_slots = torch.full((batch, width), -1, dtype=torch.long)
-        indices = torch.full((batch, s_q, topk), -1, dtype=torch.long)
+        firsts = []  # per sequence: the position of its buffer row 0
         for b, s in enumerate(seqs):
             last = s.start + s_q - 1
             n = min(last + 1, width)
-            first = last - n + 1  # position of buffer row 0
-            window_slots[b, :n] = window.slots(s.state.rid, torch.arange(first, last + 1))
-            for j in range(s_q):
-                p = s.start + j
-                lo = max(0, p - self.window + 1)
-                indices[b, j, : p + 1 - lo] = torch.arange(lo - first, p + 1 - first)
+            firsts.append(last - n + 1)
+            window_slots[b, :n] = window.slots(s.state.rid, torch.arange(last - n + 1, last + 1))
         window.gather(layer_idx, window_slots.to(device), buf[:, :width])
+        # Query j at position p reads buffer rows of positions max(0, p - W + 1) .. p, -1 after.
+        pos = torch.tensor([s.start for s in seqs])[:, None] + torch.arange(s_q)[None, :]  # [B, s_q]
+        lo = (pos - self.window + 1).clamp(min=0)
+        col = torch.arange(topk)[None, None, :]
+        indices = torch.where(col < (pos + 1 - lo)[..., None], (lo - torch.tensor(firsts)[:, None])[..., None] + col, -1)
         indices = indices.to(torch.int32).to(device)
         extra = {}
         if e_width > 0:
