@@ -97,6 +97,32 @@ def backend_summary(ranks: list[dict]) -> str:
     return ", ".join(f"{name} x{n}" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def nextn_summary(ranks: list[dict]) -> dict:
+    """NextN (MTP) speculative decoding over the ranks, from each rank's Engine.stats()."""
+    stats = [r["engine_stats"] or {} for r in ranks]
+    if not any(st.get("nextn_decode") for st in stats):
+        return {"enabled": False}
+    accepted = sum(st.get("accepted_tokens") or 0 for st in stats)
+    drafted = sum(st.get("draft_tokens") or 0 for st in stats)
+    return {
+        "enabled": True,
+        "num_speculative_tokens": next(st.get("num_speculative_tokens") for st in stats if st.get("nextn_decode")),
+        "accepted": accepted, "drafted": drafted, "acceptance_rate": accepted / drafted if drafted else None,
+        "sampling_backend": backend_summary([{"backend": st.get("fused_sample_backend")} for st in stats]),
+        "per_rank": [{"rank": r["rank"], "accepted": st.get("accepted_tokens"), "drafted": st.get("draft_tokens"),
+                      "tokens_per_decode_step": st.get("tokens_per_decode_step")} for r, st in zip(ranks, stats)],
+    }
+
+
+def _nextn_cell(run: dict) -> str:
+    n = run["nextn"]
+    if not n["enabled"]:
+        return "off"
+    rate = "n/a" if n["acceptance_rate"] is None else f"{n['acceptance_rate']:.3f}"
+    return (f"on, k={n['num_speculative_tokens']}; acceptance {rate} ({n['accepted']}/{n['drafted']}); "
+            f"sampling {n['sampling_backend']}")
+
+
 def evaluate_run(label: str, environ: dict, result: serve_dp.DPResult, prompts: list[list[int]],
                  oracle: list[tuple[list[int], np.ndarray]], strict_oracle: bool, decode) -> dict:
     """The JSON of one DP serve: per-rank state, control agreement, per-prompt answers vs the oracle,
@@ -154,7 +180,7 @@ def evaluate_run(label: str, environ: dict, result: serve_dp.DPResult, prompts: 
         prompt_rows.append(row)
 
     return {
-        "label": label, "environ": environ, "ok": not failures, "failures": failures,
+        "label": label, "environ": environ, "ok": not failures, "failures": failures, "nextn": nextn_summary(ranks),
         "dist_backend": result.dist_backend, "dist_backend_reason": result.dist_backend_reason,
         "gathered": result.gathered, "notes": result.notes, "wall_seconds": result.wall_seconds,
         "backend_summary": backend_summary(ranks), "module_not_found_failures": mnf,
@@ -230,6 +256,7 @@ def render_markdown(report: dict) -> str:
         ("control prompt vs oracle", lambda r: _oracle_cell(r["control"]["oracle"], strict)),
         ("answers vs oracle", lambda r: _oracle_summary(r, strict)),
         ("tokens/s per rank", _tokens_per_s_cell),
+        ("NextN speculative decoding (DEEPINFER_USE_NEXTN_DECODE)", _nextn_cell),
         ("process group", lambda r: r["dist_backend"]),
         ("run status", lambda r: "ok" if r["ok"] else f"FAILED ({len(r['failures'])})"),
     ]

@@ -16,7 +16,7 @@ import triton.language as tl
 from engine.h20_ops import fused_sample as fs
 from engine.h20_ops import fused_sample_ref as ref
 from engine.h20_ops.fused_sample_ref import DRAW_ACCEPT, DRAW_DRAFT
-from engine.h20_ops.fused_sample_triton import _draw
+from engine.h20_ops import fused_sample_triton as ft
 
 # Rows of -inf logits make the interpreter's numpy compute (-inf) - (-inf) before the mask drops it.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -41,25 +41,13 @@ def test_philox_known_answers():
         assert tuple(int(w[0]) for w in words) == expected
 
 
-@triton.jit
-def _draws_kernel(seeds, positions, out):
-    b = tl.program_id(0)
-    seed = tl.load(seeds + b)
-    pos = tl.load(positions + b)
-    tl.store(out + b * 4 + 0, _draw(seed, pos, 0).to(tl.int64))
-    tl.store(out + b * 4 + 1, _draw(seed, pos, 1).to(tl.int64))
-    tl.store(out + b * 4 + 2, _draw(seed, pos, 2).to(tl.int64))
-    tl.store(out + b * 4 + 3, _draw(seed, pos, 3).to(tl.int64))
-
-
 def test_triton_draws_equal_reference_stream():
     g = torch.Generator().manual_seed(11)
     n = 24
     seeds = torch.randint(-2**62, 2**62, (n,), generator=g, dtype=torch.int64)
     positions = torch.randint(0, 2**40, (n,), generator=g, dtype=torch.int64)  # high word in use
     positions[:4] = torch.tensor([0, 1, 2**32 - 1, 2**32])
-    out = torch.full((n, 4), -7, dtype=torch.int64)
-    _draws_kernel[(n,)](seeds, positions, out)
+    out = ft.philox_words(seeds, positions)
     expected = np.stack([ref.draw_u32(seeds.numpy(), positions.numpy(), d) for d in range(4)], axis=1)
     assert np.array_equal(out.numpy(), expected.astype(np.int64))
     assert len(np.unique(expected)) == expected.size  # the four lanes are distinct words

@@ -311,3 +311,23 @@ def rejection_sample(target_logits, draft_logits, draft_tokens, seeds, positions
                             seeds, positions, scales, top_k, top_p, tokens, accepted, v, k1 - 1,
                             BLOCK=BLOCK_V, num_warps=NUM_WARPS)
     return tokens, accepted
+
+
+@triton.jit
+def _words_kernel(seeds, positions, out):
+    b = tl.program_id(0)
+    seed = tl.load(seeds + b)
+    pos = tl.load(positions + b)
+    tl.store(out + b * 4 + 0, _draw(seed, pos, 0).to(tl.int64))
+    tl.store(out + b * 4 + 1, _draw(seed, pos, 1).to(tl.int64))
+    tl.store(out + b * 4 + 2, _draw(seed, pos, 2).to(tl.int64))
+    tl.store(out + b * 4 + 3, _draw(seed, pos, 3).to(tl.int64))
+
+
+def philox_words(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Draws 0..3 of each request as int64 [N, 4]: the raw stream, to check it against the
+    reference and against TileLang's cuRAND bit for bit."""
+    out = torch.full((seeds.size(0), 4), -1, dtype=torch.int64, device=seeds.device)
+    _words_kernel[(seeds.size(0),)](seeds, positions, out)
+    return out
+
