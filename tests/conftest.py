@@ -1,7 +1,10 @@
+import sys
+
 import pytest
 import torch
 
 import engine.h20_ops  # noqa: F401  (sets TRITON_INTERPRET=1 before any kernel module on CPU-only machines)
+from engine.h20_ops import backend_select, fused_sample, sparse_mla
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -11,3 +14,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+
+
+def _tilelang_modules() -> dict:
+    return {name: mod for name, mod in sys.modules.items()
+            if name == "tilelang" or name.startswith("tilelang.") or name in backend_select._TILELANG_KERNEL_MODULES}
+
+
+@pytest.fixture(autouse=True)
+def isolated_backend_selection():
+    """A test that resolves with DEEPINFER_SIMULATE_NO_TILELANG=1 installs a process-wide import hook
+    and drops tilelang's modules: undo that (and forget every resolution) so that no later test
+    inherits a TileLang-less process."""
+    meta_path = list(sys.meta_path)
+    modules = _tilelang_modules()
+    yield
+    sys.meta_path[:] = meta_path
+    for name in _tilelang_modules():
+        if name not in modules:
+            del sys.modules[name]
+    sys.modules.update(modules)
+    sparse_mla.reset_resolution_for_tests()
+    fused_sample.reset_resolution_for_tests()
