@@ -59,19 +59,14 @@ SHAPES = {
     "longctx": Shape("long context s_kv65536", 4096, 65536, 64, 512, 512),
 }
 
-# Launch configurations timed by --sweep (block_k, num_warps, num_stages[, prefetch_indices]).
-# Triton's pipeliner gives the index load and the kv gather separate stages, so the gather is
-# prefetched (num_stages - 1) // 2 blocks ahead; with prefetch_indices (indices carried one
-# iteration ahead) it is num_stages - 1 blocks ahead, so (32, 8, 3, True) and (32, 8, 4, True) have
-# the prefetch distance of (32, 8, 5) and (32, 8, 7) with a third of the async copies
-# (docs/triton_kernel_notes.md). 8 warps keep the [64, 512] fp32 accumulator in registers.
-_PREFETCH_SWEEP = [KernelConfig(64, 8, 2, prefetch_indices=True), KernelConfig(32, 8, 3, prefetch_indices=True),
-                   KernelConfig(32, 8, 4, prefetch_indices=True)]
+# Launch configurations timed by --sweep (block_k, num_warps, num_stages). Triton's pipeliner gives
+# the index load and the kv gather separate stages, so the gather is prefetched (num_stages - 1) // 2
+# blocks ahead: (32, 8, 5) and (32, 8, 7) are the configurations that prefetch it two or three blocks
+# ahead within shared memory (docs/triton_kernel_notes.md). 8 warps keep the [64, 512] fp32
+# accumulator in registers.
 SWEEP_CONFIGS = {
-    512: [KernelConfig(64, 8, 2), KernelConfig(64, 8, 3), KernelConfig(32, 8, 5), KernelConfig(32, 8, 7),
-          *_PREFETCH_SWEEP],
-    576: [KernelConfig(64, 8, 2), KernelConfig(64, 8, 3), KernelConfig(32, 8, 5), KernelConfig(32, 8, 7),
-          *_PREFETCH_SWEEP],
+    512: [KernelConfig(64, 8, 2), KernelConfig(64, 8, 3), KernelConfig(32, 8, 5), KernelConfig(32, 8, 7)],
+    576: [KernelConfig(64, 8, 2), KernelConfig(64, 8, 3), KernelConfig(32, 8, 5), KernelConfig(32, 8, 7)],
 }
 
 
@@ -173,8 +168,7 @@ def main() -> int:
             for cfg in SWEEP_CONFIGS[shape.d_qk]:
                 def run(q, kv, indices, sm_scale, d_v, sink, cfg=cfg):
                     return flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, sink, config=cfg)
-                head_cfg = (f"| {shape.name} | {cfg.block_k} | {cfg.num_warps} | {cfg.num_stages} | "
-                            f"{'yes' if cfg.prefetch_indices else 'no'} | ")
+                head_cfg = f"| {shape.name} | {cfg.block_k} | {cfg.num_warps} | {cfg.num_stages} | "
                 try:
                     ms, tflops, pct, err = time_backend(run, shape, inputs, gemm)
                     sweep_rows.append(f"{head_cfg}{ms:.3f} | {tflops:.1f} | {err:.2e} |")
@@ -186,8 +180,8 @@ def main() -> int:
     if sweep_rows:
         default = {d: default_config(torch.bfloat16, d) for d in SWEEP_CONFIGS}
         print(f"\nTriton launch sweep (defaults: {default})")
-        print("| shape | block_k | num_warps | num_stages | prefetch indices | ms | TFLOP/s | max err vs oracle |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| shape | block_k | num_warps | num_stages | ms | TFLOP/s | max err vs oracle |")
+        print("|---|---|---|---|---|---|---|")
         print("\n".join(sweep_rows))
     if failures:
         print(f"\n{failures} Triton failure(s)", file=sys.stderr)

@@ -37,11 +37,14 @@ VOCAB = 16
 
 # ------------------------------------------------------------------------------- the CI command
 
-def test_ci_command_report_json(tmp_path):
-    """Issue 6 item 6: exit 0, triton x8, no ModuleNotFoundError, no fallbacks, 8/8, oracle tokens."""
+@pytest.mark.parametrize("nextn", ["0", "1"])
+def test_ci_command_report_json(tmp_path, nextn):
+    """Issue 6 item 6: exit 0, triton x8, no ModuleNotFoundError, no fallbacks, 8/8, oracle tokens;
+    and issue 7: the same with NextN speculative decoding on (Triton sampling), tokens still equal."""
     out = tmp_path / "report.json"
-    env = {**os.environ, "PYTHON": sys.executable, "DEEPINFER_SIMULATE_NO_TILELANG": "1", "DEEPINFER_KERNELS": "ref",
-           "DEEPINFER_OPS_STRICT": "1", "DEEPINFER_USE_NEXTN_DECODE": "0"}
+    kernels = "ref" if nextn == "0" else "triton"  # with NextN: Triton sampling (and ops) under the interpreter
+    env = {**os.environ, "PYTHON": sys.executable, "DEEPINFER_SIMULATE_NO_TILELANG": "1", "DEEPINFER_KERNELS": kernels,
+           "DEEPINFER_OPS_STRICT": "1", "DEEPINFER_USE_NEXTN_DECODE": nextn}
     env.pop("DEEPINFER_SPARSE_MLA_BACKEND", None)
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "h20_e2e_report.sh"), "--prompts", "8",
                            "--max-new-tokens", "4", "--json", str(out), "--timeout", "840"],
@@ -64,7 +67,14 @@ def test_ci_command_report_json(tmp_path):
         assert p["oracle"]["tokens_equal"] and p["oracle"]["max_logits_diff"] < 1e-2
     assert max(p["prompt_tokens"] for p in run["prompts"]) > 128  # one prompt leaves the sliding window
     assert all(r["ok"] and r["tokens_per_s"] > 0 and r["generated_tokens"] == 4 * (1 + 1) for r in run["ranks"])
-    assert report["settings"]["environ"]["DEEPINFER_KERNELS"] == "ref"
+    assert report["settings"]["environ"]["DEEPINFER_KERNELS"] == kernels
+    if nextn == "1":
+        assert run["nextn"]["enabled"] and run["nextn"]["num_speculative_tokens"] == 1
+        assert run["nextn"]["sampling_backend"] == "triton x8"
+        assert run["nextn"]["drafted"] > 0 and 0 <= run["nextn"]["accepted"] <= run["nextn"]["drafted"]
+        assert "| NextN speculative decoding (DEEPINFER_USE_NEXTN_DECODE) | on, k=1;" in proc.stdout
+    else:
+        assert run["nextn"] == {"enabled": False}
     # the Markdown table on stdout carries the same verdicts
     assert "| sparse MLA backend per rank | triton x8 |" in proc.stdout
     assert "| DP ranks agreeing (control prompt) | 8/8 |" in proc.stdout

@@ -54,7 +54,7 @@ def _sparse_mla_fwd_kernel(
     stride_out_s, stride_out_h, stride_ml_s, stride_lse_s,
     H_TILES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     D_V: tl.constexpr, D_ROPE: tl.constexpr,
-    HAS_SINK: tl.constexpr, HAS_TOPK_LENGTH: tl.constexpr, PREFETCH_INDICES: tl.constexpr,
+    HAS_SINK: tl.constexpr, HAS_TOPK_LENGTH: tl.constexpr,
     DOT_F32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     # 1-D grid: s_q may exceed the 65535 limit of grid axes 1/2. The head tiles of one query are
@@ -82,19 +82,10 @@ def _sparse_mla_fwd_kernel(
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_V], tl.float32)
     idx_row = idx_ptr + query * stride_idx_s
-    block = tl.arange(0, BLOCK_K)
-    if PREFETCH_INDICES:
-        next_idx = tl.load(idx_row + block, mask=block < n_entries, other=-1)
     for start in range(0, n_entries, BLOCK_K):
-        pos = start + block
+        pos = start + tl.arange(0, BLOCK_K)
         in_list = pos < n_entries
-        if PREFETCH_INDICES:
-            # The gather's addresses come from the previous iteration, not from a load in this one.
-            idx = next_idx
-            next_pos = pos + BLOCK_K
-            next_idx = tl.load(idx_row + next_pos, mask=next_pos < n_entries, other=-1)
-        else:
-            idx = tl.load(idx_row + pos, mask=in_list, other=-1)
+        idx = tl.load(idx_row + pos, mask=in_list, other=-1)
         valid = in_list & (idx >= 0) & (idx < s_kv)
         kv_rows = kv_ptr + idx.to(tl.int64)[:, None] * stride_kv_s
         # Invalid entries are never read: their rows load as 0 and their scores become -inf.
@@ -150,10 +141,6 @@ class KernelConfig:
     block_k: int  # top-k entries per block (kv rows gathered together)
     num_warps: int
     num_stages: int
-    # Load each block's indices one iteration ahead (a loop-carried tensor), so the kv gather's
-    # addresses never wait on a load of the same iteration; the pipeliner then prefetches the gather
-    # num_stages - 1 blocks ahead instead of (num_stages - 1) // 2 (docs/triton_kernel_notes.md).
-    prefetch_indices: bool = False
 
 
 def default_config(dtype: torch.dtype, d_qk: int) -> KernelConfig:
@@ -199,7 +186,6 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         H_TILES=h_tiles, BLOCK_H=_HEADS_PER_PROGRAM, BLOCK_K=config.block_k,
         D_V=d_v, D_ROPE=shape.d_qk - d_v,
         HAS_SINK=attn_sink is not None, HAS_TOPK_LENGTH=topk_length is not None,
-        PREFETCH_INDICES=config.prefetch_indices,
         DOT_F32=_INTERPRET, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
