@@ -16,8 +16,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from engine.h20_ops import fused_sample as fs  # noqa: E402
 from engine.h20_ops import fused_sample_ref as ref  # noqa: E402

@@ -10,8 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from engine.h20_ops import fused_sample as fs
 from engine.h20_ops import fused_sample_ref as ref
