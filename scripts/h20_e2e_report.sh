@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ]; then
-    source scripts/python_env.sh "hf"
+    source scripts/python_env.sh
 else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
