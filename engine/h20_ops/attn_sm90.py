@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from engine.h20_ops import sparse_mla
-from engine.h20_ops.checks import require_same_device, require_scale, require_tensor
+from engine.h20_ops.checks import check_decode_args, check_sink, require_same_device, require_scale, require_tensor
 
 D_V = 512
 HEADS_PER_PROGRAM = 64  # the kernels' head tile
@@ -68,7 +68,7 @@ def prefill_attn_varlen_sparse(query, kv_a_with_mqa, index_topk, softmax_scale, 
         raise ValueError(f"kv_a_with_mqa: expected shape [total_k, 1, {d}], got {tuple(kv_a_with_mqa.shape)}")
     if index_topk.size(0) != total_q:
         raise ValueError(f"index_topk: expected {total_q} rows (one per query token), got {tuple(index_topk.shape)}")
-    _check_sink(attn_sink, heads)
+    check_sink(attn_sink, heads)
     if index_length is not None:
         require_tensor("index_length", index_length, dtypes=(torch.int32,), ndim=1)
         if index_length.size(0) != total_q:
@@ -123,45 +123,19 @@ def decode_attn_sparse(q, kv_windows, indices, softmax_scale, *, attn_sink=None,
     return out.view(batch, s_q, heads, D_V), lse.view(batch, s_q, heads)
 
 
-def _check_sink(attn_sink, heads: int) -> None:
-    if attn_sink is not None:
-        require_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), ndim=1)
-        if attn_sink.size(0) != heads:
-            raise ValueError(f"attn_sink: expected shape [{heads}] (q's heads), got {tuple(attn_sink.shape)}")
-
-
-def _check_cache_args(kv_name, kv, idx_name, idx, len_name, lengths, q) -> None:
-    batch, s_q, _, d = q.shape
-    require_tensor(kv_name, kv, dtypes=(q.dtype,), ndim=4)
-    require_tensor(idx_name, idx, dtypes=(torch.int32,), ndim=3)
-    require_same_device("q", q, **{kv_name: kv, idx_name: idx, len_name: lengths})
-    if kv.size(0) != batch or kv.size(1) < 1 or kv.size(2) != 1 or kv.size(3) != d:
-        raise ValueError(f"{kv_name}: expected shape [{batch}, rows>=1, 1, {d}], got {tuple(kv.shape)}")
-    if kv.stride(3) != 1:
-        raise ValueError(f"{kv_name}: the last dim must be contiguous, got strides {kv.stride()}")
-    if idx.size(0) != batch or idx.size(1) != s_q or idx.size(2) < 1:
-        raise ValueError(f"{idx_name}: expected shape [{batch}, {s_q}, topk>=1], got {tuple(idx.shape)}")
-    if lengths is not None:
-        require_tensor(len_name, lengths, dtypes=(torch.int32,), ndim=1)
-        if lengths.size(0) != batch:
-            raise ValueError(f"{len_name}: expected shape [{batch}] (one per request), got {tuple(lengths.shape)}")
-
-
 def _check_decode_args(q, kv_windows, indices, attn_sink, topk_length, extra_kv_windows, extra_indices,
                        extra_topk_length) -> None:
     require_tensor("q", q, dtypes=_Q_DTYPES, ndim=4)
     if q.size(0) < 1 or q.size(1) < 1:
         raise ValueError(f"q: expected at least one request and one query token, got shape {tuple(q.shape)}")
-    _check_cache_args("kv_windows", kv_windows, "indices", indices, "topk_length", topk_length, q)
-    if (extra_kv_windows is None) != (extra_indices is None):
-        raise ValueError("extra_kv_windows and extra_indices: pass both or neither")
-    if extra_topk_length is not None and extra_kv_windows is None:
-        raise ValueError("extra_topk_length: given without extra_kv_windows / extra_indices")
-    if extra_kv_windows is not None:
-        _check_cache_args("extra_kv_windows", extra_kv_windows, "extra_indices", extra_indices,
-                          "extra_topk_length", extra_topk_length, q)
-    require_same_device("q", q, attn_sink=attn_sink)
-    _check_sink(attn_sink, q.size(2))
+    check_decode_args(q, kv_windows, indices, attn_sink, topk_length, extra_kv_windows, extra_indices,
+                      extra_topk_length, kv_name="kv_windows", extra_kv_name="extra_kv_windows")
+    # The kernel views the windows as rows of one strided tensor: at least one row, contiguous rows.
+    for name, kv in (("kv_windows", kv_windows), ("extra_kv_windows", extra_kv_windows)):
+        if kv is not None and kv.size(1) < 1:
+            raise ValueError(f"{name}: expected at least one row per request, got shape {tuple(kv.shape)}")
+        if kv is not None and kv.stride(3) != 1:
+            raise ValueError(f"{name}: the last dim must be contiguous, got strides {kv.stride()}")
 
 
 def _check_splits(num_splits) -> int:

@@ -107,12 +107,47 @@ def check_sparse_mla_args(
             raise ValueError(f"d_v: expected one of {SUPPORTED_D_V}, got {d_v}")
         for name, t in (("q", q), ("kv", kv), ("indices", indices)):
             require_last_dim_contiguous(name, t)
-    if attn_sink is not None:
-        require_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), ndim=1)
-        if attn_sink.size(0) != h_q:
-            raise ValueError(f"attn_sink: expected shape [{h_q}] (q's h_q), got {tuple(attn_sink.shape)}")
+    check_sink(attn_sink, h_q)
     if topk_length is not None:
         require_tensor("topk_length", topk_length, dtypes=(torch.int32,), ndim=1)
         if topk_length.size(0) != s_q:
             raise ValueError(f"topk_length: expected shape [{s_q}] (q's s_q), got {tuple(topk_length.shape)}")
     return SparseMlaShape(s_q, h_q, d_qk, s_kv, topk, d_v), indices
+
+
+def check_sink(attn_sink, h_q: int) -> None:
+    if attn_sink is not None:
+        require_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), ndim=1)
+        if attn_sink.size(0) != h_q:
+            raise ValueError(f"attn_sink: expected shape [{h_q}] (q's h_q), got {tuple(attn_sink.shape)}")
+
+
+def _check_decode_cache(kv_name: str, kv, idx_name: str, indices, len_name: str, lengths, q: torch.Tensor) -> None:
+    b, s_q, _, d = q.shape
+    require_tensor(kv_name, kv, dtypes=(q.dtype,), ndim=4)
+    require_tensor(idx_name, indices, dtypes=(torch.int32,), ndim=3)
+    require_same_device("q", q, **{kv_name: kv, idx_name: indices, len_name: lengths})
+    if kv.size(0) != b or kv.size(2) != 1 or kv.size(3) != d:
+        raise ValueError(f"{kv_name}: expected shape [{b}, N, 1, {d}], got {tuple(kv.shape)}")
+    if indices.size(0) != b or indices.size(1) != s_q or indices.size(2) < 1:
+        raise ValueError(f"{idx_name}: expected shape [{b}, {s_q}, topk>=1], got {tuple(indices.shape)}")
+    if lengths is not None:
+        require_tensor(len_name, lengths, dtypes=(torch.int32,), ndim=1)
+        if lengths.size(0) != b:
+            raise ValueError(f"{len_name}: expected shape [{b}] (one per request), got {tuple(lengths.shape)}")
+
+
+def check_decode_args(q: torch.Tensor, kv, indices, attn_sink, topk_length, extra_kv, extra_indices,
+                      extra_topk_length, *, kv_name: str = "kv", extra_kv_name: str = "extra_kv") -> None:
+    """Decode with per-request caches (q already checked as [B, s_q, h_q, d]): kv [B, N, 1, d] with
+    indices [B, s_q, topk] int32 and topk_length [B]; the same for the optional extra cache; sink [h_q]."""
+    _check_decode_cache(kv_name, kv, "indices", indices, "topk_length", topk_length, q)
+    if (extra_kv is None) != (extra_indices is None):
+        raise ValueError(f"{extra_kv_name} and extra_indices: pass both or neither")
+    if extra_topk_length is not None and extra_kv is None:
+        raise ValueError(f"extra_topk_length: given without {extra_kv_name} / extra_indices")
+    if extra_kv is not None:
+        _check_decode_cache(extra_kv_name, extra_kv, "extra_indices", extra_indices, "extra_topk_length",
+                            extra_topk_length, q)
+    require_same_device("q", q, attn_sink=attn_sink)
+    check_sink(attn_sink, q.size(2))

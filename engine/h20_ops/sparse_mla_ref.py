@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.h20_ops.checks import check_sparse_mla_args, require_same_device, require_tensor
+from engine.h20_ops.checks import check_decode_args, check_sparse_mla_args, require_tensor
 
 _ROWS_PER_CHUNK = 64
 
@@ -91,41 +91,14 @@ def sparse_mla_prefill_ref(q, kv, indices, sm_scale, d_v: int = 512, attn_sink=N
     return RefResult(torch.cat(outs), torch.cat(maxes), torch.cat(lses))
 
 
-def _check_decode_cache(name_kv: str, kv, name_idx: str, indices, name_len: str, topk_length,
-                        q: torch.Tensor) -> None:
-    b, s_q, _, d = q.shape
-    require_tensor(name_kv, kv, dtypes=(q.dtype,), ndim=4)
-    require_tensor(name_idx, indices, dtypes=(torch.int32,), ndim=3)
-    require_same_device("q", q, **{name_kv: kv, name_idx: indices, name_len: topk_length})
-    if kv.size(0) != b or kv.size(2) != 1 or kv.size(3) != d:
-        raise ValueError(f"{name_kv}: expected shape [{b}, N, 1, {d}], got {tuple(kv.shape)}")
-    if indices.size(0) != b or indices.size(1) != s_q or indices.size(2) < 1:
-        raise ValueError(f"{name_idx}: expected shape [{b}, {s_q}, topk>=1], got {tuple(indices.shape)}")
-    if topk_length is not None:
-        require_tensor(name_len, topk_length, dtypes=(torch.int32,), ndim=1)
-        if topk_length.size(0) != b:
-            raise ValueError(f"{name_len}: expected shape [{b}] (one per request), got {tuple(topk_length.shape)}")
-
-
 def sparse_mla_decode_ref(q, kv, indices, sm_scale, d_v: int = 512, attn_sink=None, topk_length=None,
                           extra_kv=None, extra_indices=None, extra_topk_length=None) -> RefResult:
     """Per-request caches: q [B, s_q, h_q, d]; kv [B, N, 1, d] with request-local indices
     [B, s_q, topk]; optional extra cache extra_kv [B, E, 1, d] with extra_indices [B, s_q, etopk].
     topk_length / extra_topk_length are per request [B]. One softmax over the union of both."""
     require_tensor("q", q, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=4)
-    _check_decode_cache("kv", kv, "indices", indices, "topk_length", topk_length, q)
-    if (extra_kv is None) != (extra_indices is None):
-        raise ValueError("extra_kv and extra_indices: pass both or neither")
-    if extra_topk_length is not None and extra_kv is None:
-        raise ValueError("extra_topk_length: given without extra_kv / extra_indices")
-    if extra_kv is not None:
-        _check_decode_cache("extra_kv", extra_kv, "extra_indices", extra_indices, "extra_topk_length",
-                            extra_topk_length, q)
-    b, s_q, h_q, d = q.shape
-    if attn_sink is not None:
-        require_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), ndim=1)
-        if attn_sink.size(0) != h_q:
-            raise ValueError(f"attn_sink: expected shape [{h_q}] (q's h_q), got {tuple(attn_sink.shape)}")
+    check_decode_args(q, kv, indices, attn_sink, topk_length, extra_kv, extra_indices, extra_topk_length)
+    b, s_q = q.shape[:2]
     if b == 0:
         raise ValueError(f"q: expected at least one request, got shape {tuple(q.shape)}")
 
