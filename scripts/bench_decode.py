@@ -9,14 +9,16 @@ torch merge). Each configuration runs without the split (S = 1) and with the aut
 
 Columns (times: median of triton.testing.do_bench, L2 flushed before each run):
   gather / attn / kernel / step ms: the gathers; decode_attn_sparse; its kernel launch alone (same
-    arguments, no index building or merge); gather + attn.
-  TFLOP/s: 2 * B * s_q * 640 * h_q * (512 + 512) / step time (masked slots: none here).
-  read GB/s: bytes the step actually reads / step time: fp8 rows + slot ids (gather), bf16 rows +
+    arguments, no index building or merge); gather + attn, called eagerly from Python.
+  graph ms: the same step captured once in a CUDA graph and replayed (what a serving loop that
+    graph-captures its decode step pays: GPU time without Python and launch overhead).
+  TFLOP/s: 2 * B * s_q * 640 * h_q * (512 + 512) / graph time (masked slots: none here).
+  read GB/s: bytes the step actually reads / graph time: fp8 rows + slot ids (gather), bf16 rows +
     indices + q per program (kernel; q once per split chunk), partial outputs (merge).
   roofline ms: the binding bound of an ideal fused fp8 kernel, max(FLOP / bf16 GEMM rate, bytes /
     HBM bandwidth) with bytes = each request's 640 fp8 rows once + q + out; both rates measured in
     this run (torch bf16 8192^3 GEMM; device-to-device copy of 2 GiB, read + write).
-  frac: roofline ms / step ms.
+  frac: roofline ms / graph ms (eager frac: roofline ms / step ms).
 Usage: python scripts/bench_decode.py [--backend triton|tilelang]    (needs CUDA)
        python scripts/bench_decode.py --small   (tiny shapes on any device: checks this script)
 """
@@ -71,6 +73,22 @@ def device_rates(device, small: bool) -> tuple[float, float]:
     return 2 * n_bytes / (copy_ms * 1e-3), 2 * m ** 3 / (gemm_ms * 1e-3)
 
 
+def graphed(fn, device):
+    """fn captured in one CUDA graph (warmed up on a side stream first, as torch requires); returns
+    the replay callable, or None on CPU."""
+    if device.type != "cuda":
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def record_launch(fn):
     """Runs fn once; returns the (args, kwargs) of the one sparse_mla_fwd launch it made."""
     launches = []
@@ -112,7 +130,8 @@ def main() -> int:
     print(f"measured: HBM copy {hbm / 1e9:.0f} GB/s (read+write), bf16 GEMM {gemm / 1e12:.1f} TFLOP/s")
     print(f"shape: h_q {heads}, d {D}, W {width} + E {extra} (all valid), fp8 {MODEL1.name} caches, block 64")
     header = (f"{'B':>4s} {'s_q':>3s} {'S':>3s} {'gather':>8s} {'attn':>8s} {'kernel':>8s} {'step':>8s} "
-              f"{'TFLOP/s':>8s} {'read GB/s':>9s} {'roofline':>8s} {'frac':>6s} {'bound':>7s}")
+              f"{'graph':>8s} {'TFLOP/s':>8s} {'read GB/s':>9s} {'roofline':>8s} {'frac':>6s} {'eager':>6s} "
+              f"{'bound':>7s}")
     print(header)
     print("-" * len(header))
     entries = width + extra
@@ -144,13 +163,15 @@ def main() -> int:
                 kernel_ms = timer(lambda: sparse_mla.sparse_mla_fwd(*k_args, **k_kwargs), device)
                 attn_ms = timer(attn, device)
                 step_ms = timer(lambda: (gather(), attn()), device)
+                replay = graphed(lambda: (gather(), attn()), device)
+                graph_ms = timer(replay, device) if replay is not None else step_ms
                 read = (batch * entries * (FP8_ROW_READ + 4)  # gather
                         + n_rows * entries * (4 + D * 2) * -(-heads // 64)  # kernel: indices + bf16 rows
                         + n_rows * splits * heads * D * 2  # kernel: q per chunk
                         + (n_rows * splits * heads * (D * 2 + 4) if splits > 1 else 0))  # merge
                 print(f"{batch:4d} {s_q:3d} {splits:3d} {gather_ms:8.4f} {attn_ms:8.4f} {kernel_ms:8.4f} "
-                      f"{step_ms:8.4f} {flop / step_ms / 1e9:8.1f} {read / step_ms / 1e6:9.0f} "
-                      f"{roofline_ms:8.4f} {roofline_ms / step_ms:6.1%} {bound:>7s}")
+                      f"{step_ms:8.4f} {graph_ms:8.4f} {flop / graph_ms / 1e9:8.1f} {read / graph_ms / 1e6:9.0f} "
+                      f"{roofline_ms:8.4f} {roofline_ms / graph_ms:6.1%} {roofline_ms / step_ms:6.1%} {bound:>7s}")
     return 0
 
 

@@ -48,7 +48,7 @@ for s in "$@"; do
         e2e) step e2e 400 bash scripts/h20_e2e_report.sh --compare --json "$logdir/e2e.json" ;;
         e2e-nextn) step e2e_nextn 400 env DEEPINFER_USE_NEXTN_DECODE=1 bash scripts/h20_e2e_report.sh --compare \
                 --json "$logdir/e2e_nextn.json" ;;
-        sample) step ab_fused_sample 120 python3 scripts/ab_fused_sample.py ;;
+        sample) step ab_fused_sample 450 python3 scripts/ab_fused_sample.py ;;
         *) echo "unknown step $s" >&2; exit 2 ;;
     esac
 done

@@ -8,6 +8,14 @@ from engine.h20_ops import backend_select, fused_sample, sparse_mla
 
 HAS_CUDA = torch.cuda.is_available()
 
+# TileLang registers global FFI functions when it is imported and cannot be imported twice in one
+# process. Import it (when installed) before any test, so that the per-test cleanup below, which
+# drops modules a test added, never drops a genuine TileLang import.
+try:
+    import tilelang  # noqa: F401
+except ModuleNotFoundError:
+    pass
+
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
