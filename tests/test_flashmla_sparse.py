@@ -329,3 +329,57 @@ def test_model_shapes_on_gpu(h_q, d_qk, topk):
     indices = random_indices(gen, s_q, s_kv, topk, n_valid=topk - 7, fillers=(-1, s_kv))
     kv = poison_unselected(kv, indices)
     check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=torch.randn(h_q, generator=gen))
+
+
+SM90_COMPILE = r"""
+import re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from engine.h20_ops.vendor import flashmla_sparse as fs
+
+kernel = fs._sparse_mla_fwd_kernel
+pointers = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32",
+            "topk_length_ptr": "*i32", "out_ptr": "*bf16", "max_logits_ptr": "*fp32", "lse_ptr": "*fp32"}
+d_qk = int(sys.argv[1])
+cfg = fs.default_config(__import__("torch").bfloat16)
+constexprs = dict(H_TILES=1, BLOCK_H=64, BLOCK_K=cfg.block_k, D_V=512, D_ROPE=d_qk - 512, HAS_SINK=True,
+                  HAS_TOPK_LENGTH=True, DOT_F32=False, INPUT_PRECISION="tf32")
+signature, attrs = {}, {}
+for i, name in enumerate(kernel.arg_names):
+    if name in constexprs:
+        signature[name] = "constexpr"
+    elif name in pointers:
+        signature[name] = pointers[name]
+        attrs[(i,)] = [["tt.divisibility", 16]]  # what the JIT sees for real (16-byte aligned) tensors
+    else:
+        signature[name] = "fp32" if name == "qk_scale_log2" else "i32"
+        if name in ("stride_q_s", "stride_q_h", "stride_kv_s", "stride_out_s", "stride_out_h"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+ttgir = compiled.asm["ttgir"]
+layouts = dict(re.findall(r"^(#mma\d*) = .*?warpsPerCTA = \[(\d+, \d+)\]", ttgir, re.M))
+qk = [line for line in ttgir.splitlines() if "warp_group_dot " in line and "-> tensor<64x64xf32" in line]
+print("QK", sorted({layouts[re.search(r"-> tensor<64x64xf32, (#mma\d*)>", l).group(1)] for l in qk}))
+print("SHARED", compiled.metadata.shared)
+"""
+
+
+@pytest.mark.parametrize("d_qk", [512, 576])
+def test_qk_is_split_between_warpgroups_in_the_sm90_build(d_qk):
+    """The shipped configuration compiled for sm_90 on this machine (no GPU needed): every Q.K^T
+    wgmma has 4 warps along the 64 heads and 2 along the 64 entries, i.e. each warpgroup computes
+    half of the scores. With [8, 1] both warpgroups would compute all of them (twice the Q.K^T work,
+    -20% on the H200); a Triton upgrade or an edit of the loop that brings that back fails here."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # a real compile, not the interpreter
+    result = subprocess.run([sys.executable, "-c", SM90_COMPILE, str(d_qk)], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("QK", "SHARED")))
+    assert lines["QK"] == "['4, 2']", result.stdout
+    assert int(lines["SHARED"]) <= 232448, "does not fit the 227 KB of shared memory of an SM90 CTA"

@@ -12,7 +12,9 @@ Contract (FlashMLA since 2026-01; ../shared/reference/sparse_mla_contract.md):
 
 Numerics: one program per (query, 64-head tile); the top-k list is walked in blocks of BLOCK_K
 entries; each block of kv rows is gathered once and feeds both Q.K^T and P.V (V = the first d_v = 512
-columns of kv; for d_qk 576 the 64 trailing RoPE columns are a second, small Q.K^T). tl.dot takes bf16
+columns of kv; for d_qk 576 the 64 trailing RoPE columns are a second, small Q.K^T); each of the two
+warpgroups computes half of a block's Q.K^T columns, and each block's indices are loaded one
+iteration ahead of its gather. tl.dot takes bf16
 operands with fp32 accumulators (P is rounded to bf16 for P.V, as in FlashMLA); the online softmax
 runs in the exp2 domain with sm_scale * log2(e) folded into the scores, and lse / max_logits are
 converted back to natural log at the end. Speed and tuning: docs/perf.md, docs/triton_kernel_notes.md.
@@ -82,23 +84,34 @@ def _sparse_mla_fwd_kernel(
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_V], tl.float32)
     idx_row = idx_ptr + query * stride_idx_s
+    # Each block's indices are loaded one iteration ahead, so the gather's addresses never wait on
+    # an index load issued after the previous block's P.V.
+    pos = tl.arange(0, BLOCK_K)
+    idx = tl.load(idx_row + pos, mask=pos < n_entries, other=-1)
     for start in range(0, n_entries, BLOCK_K):
         pos = start + tl.arange(0, BLOCK_K)
-        in_list = pos < n_entries
-        idx = tl.load(idx_row + pos, mask=in_list, other=-1)
-        valid = in_list & (idx >= 0) & (idx < s_kv)
+        valid = (pos < n_entries) & (idx >= 0) & (idx < s_kv)
         kv_rows = kv_ptr + idx.to(tl.int64)[:, None] * stride_kv_s
         # Invalid entries are never read: their rows load as 0 and their scores become -inf.
         kv = tl.load(kv_rows + cols[None, :], mask=valid[:, None], other=0.0)
         if DOT_F32:
             kv = kv.to(tl.float32)
-        scores = tl.dot(q, tl.trans(kv), input_precision=INPUT_PRECISION)
         if D_ROPE > 0:
             kv_rope = tl.load(kv_rows + rope_cols[None, :], mask=valid[:, None], other=0.0)
             if DOT_F32:
                 kv_rope = kv_rope.to(tl.float32)
-            scores = tl.dot(q_rope, tl.trans(kv_rope), scores, input_precision=INPUT_PRECISION)
-        scores = tl.where(valid[None, :], scores * qk_scale_log2, float("-inf"))
+        idx = tl.load(idx_row + pos + BLOCK_K, mask=pos + BLOCK_K < n_entries, other=-1)
+        scores = tl.dot(q, tl.trans(kv), input_precision=INPUT_PRECISION) * qk_scale_log2
+        if D_ROPE > 0:
+            # A separate dot added after scaling: accumulating into the first dot would chain them.
+            scores += tl.dot(q_rope, tl.trans(kv_rope), input_precision=INPUT_PRECISION) * qk_scale_log2
+        # Always true inside the loop. Triton lays out a dot whose result flows into another dot
+        # (here Q.K^T into P.V) with all 8 warps along the 64 rows, so BOTH warpgroups would compute
+        # the whole 64 x 64 Q.K^T; routing the scores through this branch ends that chain, and each
+        # warpgroup computes 32 of the 64 columns (half the wgmma work; tests/test_flashmla_sparse.py
+        # checks the layout in an offline sm_90 compile).
+        if start < n_entries:
+            scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid entry yet: avoid -inf - -inf
         alpha = tl.exp2(m - m_safe)
@@ -143,13 +156,11 @@ class KernelConfig:
     num_stages: int
 
 
-def default_config(dtype: torch.dtype, d_qk: int) -> KernelConfig:
+def default_config(dtype: torch.dtype) -> KernelConfig:
     """The fastest configuration measured on an H200 (docs/perf.md). float32 is the validation
     mode: small blocks so that it fits shared memory; its speed does not matter."""
     if dtype == torch.float32:
         return KernelConfig(block_k=16, num_warps=8, num_stages=1)
-    if d_qk == 576:
-        return KernelConfig(block_k=64, num_warps=8, num_stages=3)
     return KernelConfig(block_k=64, num_warps=8, num_stages=2)
 
 
@@ -171,7 +182,7 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     if s_q == 0:
         return out, max_logits, lse
     if config is None:
-        config = default_config(q.dtype, shape.d_qk)
+        config = default_config(q.dtype)
     h_tiles = h_q // _HEADS_PER_PROGRAM
     # Unused pointer arguments get a valid tensor; the constexpr flags keep them unread.
     sink = attn_sink if attn_sink is not None else lse
