@@ -1,5 +1,11 @@
-"""Single-process engine: greedy decoding of DeepSeek-V4 with continuous batching, optionally
-speculative with the checkpoint's NextN (MTP) layer.
+"""Single-process engine: greedy or sampled decoding of DeepSeek-V4 with continuous batching,
+optionally speculative with the checkpoint's NextN (MTP) layer.
+
+Token selection: each Request carries SamplingParams (default greedy). Every step picks the tokens of
+its whole batch with ONE fused_sample launch (greedy and sampled requests mixed: temperature 0 rows
+take the first argmax); a sampled token draws from the request's own Philox stream (its seed, the
+token's position in its sequence), so it does not depend on the batch it ran in. The mapping of
+prefill, decode, draft and verify draws to (seed, position, draw): docs/sampling.md, "In the engine".
 
 Scheduling: requests wait in arrival order. Each iteration first admits waiting requests while the
 batch has room (max_batch_size) and the KV stores can reserve their worst case (prompt +
@@ -10,19 +16,22 @@ pages at once, so the next iteration can admit a waiting request while the other
 
 NextN decoding (DEEPINFER_USE_NEXTN_DECODE=1, k = num_speculative_tokens drafts per step):
   - after a request's prefill, the NextN layer runs over the prompt (row i: token i + 1 and the
-    main model's hidden state h_i) and drafts k tokens greedily (chained drafts feed its own
-    hidden state back);
+    main model's hidden state h_i) and drafts k tokens with the request's SamplingParams on the
+    stream's draft lane (chained drafts feed its own hidden state back); their logits are kept;
   - a decode step verifies every running request's [last token, k drafts] in ONE main-model
     forward (decode_attn_sparse with s_q = k + 1), then fused_sample.rejection_sample accepts a
-    prefix (greedy: draft j kept iff it equals the target argmax) and emits the correction token,
-    or a bonus token when all k are accepted: 1 .. k + 1 tokens per step;
+    prefix (sampled: draft x kept with probability min(1, p_target(x) / p_draft(x)); greedy: iff
+    it equals the target argmax) and emits the correction token, or a bonus token when all k are
+    accepted: 1 .. k + 1 tokens per step;
   - rejected positions leave no state: the main model's compressors are rolled back
     (DeepseekV4Runtime.rollback) and pages holding only rejected rows are given back (window and
     compressed stores, PagedRows.truncate);
   - the NextN layer then runs once over the k + 1 verified rows (those past the accepted ones are
     dropped again) and drafts the next k tokens.
-Greedy tokens are therefore the non-speculative engine's (and the oracle's); each emitted token's
-step_logits row is the verifier's logits row it was taken from. stats() adds the acceptance rate.
+Greedy tokens are therefore the non-speculative engine's (and the oracle's); sampled tokens follow
+the target distribution (rejection sampling), not the non-speculative engine's draws. Each emitted
+token's step_logits row is the raw verifier logits row it was taken from. stats() adds the
+acceptance rate.
 
 The model is transformers' DeepseekV4ForCausalLM (weights, MoE, embeddings, head) driven by
 engine.model.deepseek_v4 (norms/RoPE through engine.ops, attention through
@@ -31,6 +40,7 @@ engine.h20_ops.attn_sm90, KV in engine.kv_cache).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -46,6 +56,43 @@ from engine.model.hf_oracle import load_hf_model
 from engine.model.nextn import load_nextn_layer
 
 PAGE_SIZE = 64
+_FP32 = torch.finfo(torch.float32)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens (semantics: docs/sampling.md). temperature 0: greedy (first
+    argmax; top_k / top_p ignored); top_k 0: off; top_p 1.0: off; seed: the key of the request's
+    Philox stream (same seed and prompt, same tokens; requests that should differ need different seeds)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"SamplingParams.{name}: expected a number, got {type(value).__name__}")
+        for name in ("top_k", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"SamplingParams.{name}: expected an int, got {type(value).__name__}")
+        # the kernels take log2(e) / temperature in fp32: it must be a finite, positive fp32 value
+        if self.temperature != 0 and not _FP32.tiny <= self.temperature <= _FP32.max:
+            raise ValueError(f"SamplingParams.temperature: expected 0 (greedy) or a finite number in "
+                             f"[{_FP32.tiny:.3g}, {_FP32.max:.3g}], got {self.temperature!r}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k: expected an int >= 0 (0: off), got {self.top_k!r}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"SamplingParams.top_p: expected a number in (0, 1] (1: off), got {self.top_p!r}")
+        if not -2**63 <= self.seed < 2**63:
+            raise ValueError(f"SamplingParams.seed: expected an int64, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 @dataclass
@@ -53,6 +100,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
 
 
 @dataclass
@@ -127,6 +175,7 @@ class Engine:
         self._stats = dict(prefill_tokens=0, prefill_seconds=0.0, prefill_steps=0,
                            decode_tokens=0, decode_seconds=0.0, decode_steps=0, generated_tokens=0)
         self._spec_stats = dict(draft_seconds=0.0, draft_tokens=0, accepted_tokens=0)
+        self._sampled = False  # a fused_sample.sample launch ran (stats() then names its backend)
 
     # -- KV stores --------------------------------------------------------------------------
     def _store_pages(self, max_len: int) -> dict[str, int]:
@@ -206,6 +255,8 @@ class Engine:
                 raise ValueError(f"requests[{i}].prompt_ids: tokens outside [0, {self.vocab_size}): {bad[:5]}")
             if isinstance(r.max_new_tokens, bool) or not isinstance(r.max_new_tokens, int) or r.max_new_tokens < 1:
                 raise ValueError(f"requests[{i}].max_new_tokens: expected an int >= 1, got {r.max_new_tokens!r}")
+            if not isinstance(r.sampling, SamplingParams):
+                raise TypeError(f"requests[{i}].sampling: expected a SamplingParams, got {type(r.sampling).__name__}")
             total = len(r.prompt_ids) + r.max_new_tokens
             if total > self.max_seq_len:
                 raise ValueError(f"requests[{i}]: prompt + max_new_tokens = {total} exceeds max_seq_len "
@@ -213,7 +264,7 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, requests: list[Request]) -> list[Completion]:
-        """Greedy completions, in the order of `requests`."""
+        """Completions (greedy or sampled, per request), in the order of `requests`."""
         self._check_requests(requests)
         waiting = deque(requests)
         running: list[_Active] = []
@@ -253,8 +304,27 @@ class Engine:
         positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in seqs]).to(self.device)
         return input_ids, positions
 
-    def _greedy(self, logits: torch.Tensor) -> list[int]:
-        return fused_sample.greedy_sample(logits, backend=self.sample_backend).tolist()
+    def _sampling_tensors(self, batch: list[_Active], positions: list[int], device) -> dict[str, torch.Tensor]:
+        """fused_sample's per-request tensors; positions[b]: the stream position of batch[b]'s draw."""
+        params = [a.request.sampling for a in batch]
+        return dict(seeds=torch.tensor([p.seed for p in params], dtype=torch.long, device=device),
+                    positions=torch.tensor(positions, dtype=torch.long, device=device),
+                    temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+                    top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+                    top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device))
+
+    def _select(self, batch: list[_Active], logits: torch.Tensor, positions: list[int], *,
+                draw: int = fused_sample.DRAW_SAMPLE) -> list[int]:
+        """One token per row of logits [B, vocab] (row b: batch[b]) in one launch: fused_sample.sample
+        when any request samples (its greedy rows take the first argmax); an all-greedy batch takes
+        greedy_sample with NextN (the verifier's greedy rule) and torch's argmax without (no kernel)."""
+        if not all(a.request.sampling.greedy for a in batch):
+            self._sampled = True
+            return fused_sample.sample(logits, **self._sampling_tensors(batch, positions, logits.device), draw=draw,
+                                       backend=self.sample_backend).tolist()
+        if self.nextn:
+            return fused_sample.greedy_sample(logits, backend=self.sample_backend).tolist()
+        return logits.argmax(dim=-1).tolist()
 
     def _release_window_rows(self, active: _Active) -> None:
         """Rows older than the next query's window are never read again."""
@@ -268,7 +338,8 @@ class Engine:
         input_ids, positions = self._inputs(seqs, tokens)
         logits, hidden = self.runtime.forward(input_ids, positions, seqs, prefill=prefill,
                                               all_hidden=prefill and self.nextn)
-        next_tokens = self._greedy(logits) if self.nextn else logits.argmax(dim=-1).tolist()
+        # each request's new token is the one at index start + length of its sequence
+        next_tokens = self._select(batch, logits, [s.start + s.length for s in seqs])
         for active, seq, row, token in zip(batch, seqs, logits, next_tokens):
             active.state.length += seq.length
             self._release_window_rows(active)
@@ -319,13 +390,22 @@ class Engine:
     def _draft_chain(self, batch: list[_Active], logits: torch.Tensor, hidden: torch.Tensor) -> None:
         """Draft k tokens per request: the first from `logits` [B, vocab] (the NextN row of the last
         emitted token), each further one by the NextN layer on the previous draft and its own hidden
-        state. Its window rows past the emitted tokens are dropped afterwards (verification rewrites them)."""
-        drafts, draft_logits = [self._greedy(logits)], [logits]
-        for j in range(1, self.spec_tokens):
+        state. Its window rows past the emitted tokens are dropped afterwards (verification rewrites them).
+        Draft j of the chain whose first proposal is for position P = length + 1 draws on the draft
+        lane at stream position k * P + j: one word per (chain, j), never reused, although a later
+        chain proposes again for positions whose drafts were discarded (docs/sampling.md)."""
+        k = self.spec_tokens
+
+        def draft(logits: torch.Tensor, j: int) -> list[int]:
+            return self._select(batch, logits, [k * (a.state.length + 1) + j for a in batch],
+                                draw=fused_sample.DRAW_DRAFT)
+
+        drafts, draft_logits = [draft(logits, 0)], [logits]
+        for j in range(1, k):
             seqs = self._seq_steps(batch, [1] * len(batch), [a.state.length + j - 1 for a in batch])
             input_ids, positions = self._inputs(seqs, [[d] for d in drafts[-1]])
             logits, hidden = self.nextn_runtime.forward(input_ids, hidden, positions, seqs, prefill=False)
-            drafts.append(self._greedy(logits))
+            drafts.append(draft(logits, j))
             draft_logits.append(logits)
         for b, active in enumerate(batch):
             active.drafts = [d[b] for d in drafts]
@@ -341,17 +421,12 @@ class Engine:
         logits, hidden = self.runtime.forward(input_ids, positions, seqs, prefill=False, all_logits=True,
                                               all_hidden=True, speculative=True)
         target = logits.view(len(batch), k + 1, -1)
-        n = len(batch)
         device = target.device
+        # draft j is proposed for position start + 1 + j (start: the stored length = the last token's index)
         tokens, accepted = fused_sample.rejection_sample(
             target, torch.stack([a.draft_logits for a in batch]).to(device),
             torch.tensor([a.drafts for a in batch], dtype=torch.long, device=device),
-            seeds=torch.zeros(n, dtype=torch.long, device=device),
-            positions=torch.tensor(starts, dtype=torch.long, device=device) + 1,
-            temperature=torch.zeros(n, dtype=torch.float32, device=device),  # greedy
-            top_k=torch.zeros(n, dtype=torch.long, device=device),
-            top_p=torch.ones(n, dtype=torch.float32, device=device),
-            backend=self.sample_backend)
+            **self._sampling_tensors(batch, [s + 1 for s in starts], device), backend=self.sample_backend)
         tokens, accepted = tokens.tolist(), accepted.tolist()
         emitted_total = 0
         for b, active in enumerate(batch):
@@ -393,8 +468,9 @@ class Engine:
     def stats(self) -> dict:
         """Token and time counters since construction, op fallbacks and the sparse MLA backend; with
         NextN decoding also: drafted / accepted counts, acceptance rate (None before any
-        verification), emitted tokens per decode step, the sampling backend, and draft_seconds (NextN
-        time, already counted in prefill_seconds / decode_seconds)."""
+        verification), emitted tokens per decode step and draft_seconds (NextN time, already counted
+        in prefill_seconds / decode_seconds). fused_sample_backend: with NextN or once a request
+        sampled (the sampler's backend)."""
         st = self._stats
         seconds = st["prefill_seconds"] + st["decode_seconds"]
         out = {
@@ -409,10 +485,11 @@ class Engine:
             "device": str(self.device),
             "nextn_decode": self.nextn,
         }
+        if self.nextn or self._sampled:
+            out["fused_sample_backend"] = self.sample_backend or fused_sample.resolve_backend()
         if self.nextn:
             drafted = self._spec_stats["draft_tokens"]
             out.update(self._spec_stats, num_speculative_tokens=self.spec_tokens,
-                       fused_sample_backend=self.sample_backend or fused_sample.resolve_backend(),
                        acceptance_rate=self._spec_stats["accepted_tokens"] / drafted if drafted else None,
                        tokens_per_decode_step=st["decode_tokens"] / st["decode_steps"] if st["decode_steps"] else None)
         return out

@@ -5,6 +5,10 @@ its own engine (own weights, own KV cache, own continuous-batching scheduler) an
 the requests, assigned round-robin by prompt index, plus one control prompt that EVERY rank serves
 (identical tokens on every rank is the DP consistency check). Ranks exchange nothing while serving.
 
+Sampling: the job's SamplingParams (None: greedy) reach every rank; prompt i samples with seed
+seed + i and the control prompt with seed + len(prompts) on every rank (request_sampling), so
+prompts differ from each other while the control prompt stays identical across ranks.
+
 Process group: gloo on CPU. On GPU, rank r runs on cuda:(r % device_count) and the group is NCCL when
 every rank owns a GPU; NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so with more ranks
 than GPUs (8 ranks on 1 or 2 H200s) the group is gloo: it carries only the result gather, never model
@@ -33,11 +37,14 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:  # engine.runner loads the model stack; ranks that sample import it on unpickling the job
+    from engine.runner import SamplingParams
 
 # The launcher kills ranks this long after the deadline; ranks need part of it to report after
 # rank 0's verdict (VERDICT_WAIT_S) and to exit.
@@ -76,6 +83,7 @@ class DPJob:
     device_type: str = "cpu"
     timeout_s: float = 600.0
     environ: tuple[tuple[str, str], ...] = ()  # applied in every rank before anything runs
+    sampling: SamplingParams | None = None  # None: every request greedy; seeds per request: request_sampling
 
     def __post_init__(self):
         if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
@@ -90,6 +98,12 @@ class DPJob:
             raise ValueError("prompts/control_prompt: every prompt needs at least one token")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s: expected > 0, got {self.timeout_s!r}")
+        if self.sampling is not None:
+            from engine.runner import SamplingParams
+
+            if not isinstance(self.sampling, SamplingParams):
+                raise TypeError(f"sampling: expected a SamplingParams or None, got {type(self.sampling).__name__}")
+            request_sampling(self.sampling, len(self.prompts))  # the largest seed must be an int64 too
 
 
 @dataclass
@@ -152,6 +166,11 @@ def prompt_request_id(index: int) -> str:
     return f"prompt-{index}"
 
 
+def request_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """The params of prompt `index` (the control prompt: index len(prompts)): seed + index."""
+    return replace(sampling, seed=sampling.seed + index)
+
+
 def choose_dist_backend(device_type: str, ranks: int) -> tuple[str, str]:
     if device_type == "cpu":
         return "gloo", "CPU ranks"
@@ -175,9 +194,13 @@ def _serve_share(record: RankRecord, job: DPJob, device: torch.device) -> None:
     engine = job.engine_factory(device)
     record.stage = "serve"
     record.prompt_indices = round_robin(len(job.prompts), job.ranks)[record.rank]
-    control = Request(CONTROL_REQUEST_ID, list(job.control_prompt), job.max_new_tokens)
-    share = [Request(prompt_request_id(i), list(job.prompts[i]), job.max_new_tokens)
-             for i in record.prompt_indices]
+    def request(request_id: str, prompt, index: int) -> Request:
+        if job.sampling is None:
+            return Request(request_id, list(prompt), job.max_new_tokens)
+        return Request(request_id, list(prompt), job.max_new_tokens, request_sampling(job.sampling, index))
+
+    control = request(CONTROL_REQUEST_ID, job.control_prompt, len(job.prompts))
+    share = [request(prompt_request_id(i), job.prompts[i], i) for i in record.prompt_indices]
     requests = [control, *share]
     start = time.perf_counter()
     # The control prompt runs in a batch of its own on every rank, so its batch (and every GEMM

@@ -7,10 +7,17 @@ Stages (one progress line each on stderr): checkpoint, oracle, one DP serve per 
 environment reach every rank unchanged; --compare overrides only DEEPINFER_SIMULATE_NO_TILELANG per run.
 "Present" on a node without TileLang shows what auto resolution does there (triton), as it is.
 
+Sampling (--temperature > 0, with --top-k, --top-p, --seed): every prompt samples, prompt i with seed
+seed + i, the control prompt with seed + prompts on every rank. The oracle stays greedy, so sampled
+answers are not compared with it token by token: the report shows the shared prefix and the max
+logits difference over the steps whose context both share, and fails on neither.
+
 Prints a Markdown table (stdout) and writes the same content as JSON (schema in docs/e2e.md).
 Exit code 1 when anything failed: a rank failure, a missing completion, a ModuleNotFoundError in a
-rank, DP ranks disagreeing on the control prompt, or (float32 only) tokens differing from the oracle.
-bfloat16 runs report the shared-prefix length and max logits difference against the oracle instead.
+rank, DP ranks disagreeing on the control prompt, (float32 greedy only) tokens differing from the
+oracle, or (--compare with DEEPINFER_SPARSE_MLA_BACKEND set: the runs then differ only in the
+sampler's backend) tokens differing between the two runs. bfloat16 runs report the shared-prefix
+length and max logits difference against the oracle instead.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -36,6 +44,7 @@ import torch  # noqa: E402
 
 import engine.h20_ops  # noqa: E402,F401  (sets TRITON_INTERPRET=1 on CPU-only machines before kernels load)
 from engine import config, serve_dp  # noqa: E402
+from engine.runner import SamplingParams  # noqa: E402
 
 SCHEMA = "deepinfer-e2e-report/1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -95,6 +104,14 @@ def backend_summary(ranks: list[dict]) -> str:
     """"triton x8", or "tilelang x6, triton x1, none x1" (none: the rank could not resolve one)."""
     counts = Counter(r["backend"] or "none" for r in ranks)
     return ", ".join(f"{name} x{n}" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def sampler_summary(ranks: list[dict]) -> str | None:
+    """fused_sample's backend per rank ("triton x8"), None when no rank used it (greedy without NextN)."""
+    stats = [r["engine_stats"] or {} for r in ranks]
+    if not any("fused_sample_backend" in st for st in stats):
+        return None
+    return backend_summary([{"backend": st.get("fused_sample_backend")} for st in stats])
 
 
 def nextn_summary(ranks: list[dict]) -> dict:
@@ -181,6 +198,7 @@ def evaluate_run(label: str, environ: dict, result: serve_dp.DPResult, prompts: 
 
     return {
         "label": label, "environ": environ, "ok": not failures, "failures": failures, "nextn": nextn_summary(ranks),
+        "sampling_backend": sampler_summary(ranks),
         "dist_backend": result.dist_backend, "dist_backend_reason": result.dist_backend_reason,
         "gathered": result.gathered, "notes": result.notes, "wall_seconds": result.wall_seconds,
         "backend_summary": backend_summary(ranks), "module_not_found_failures": mnf,
@@ -188,8 +206,9 @@ def evaluate_run(label: str, environ: dict, result: serve_dp.DPResult, prompts: 
     }
 
 
-def compare_runs(a: dict, b: dict) -> dict:
-    """Per-prompt token identity between two runs' answers (and the control prompt's)."""
+def compare_runs(a: dict, b: dict, required: bool) -> dict:
+    """Per-prompt token identity between two runs' answers (and the control prompt's); `required`:
+    any difference is a failure (the runs differ only in the sampler's backend)."""
     rows = []
     for pa, pb in zip(a["prompts"], b["prompts"]):
         if pa["output_ids"] is None or pb["output_ids"] is None:
@@ -201,7 +220,24 @@ def compare_runs(a: dict, b: dict) -> dict:
     ca, cb = a["control"]["output_ids"], b["control"]["output_ids"]
     control = None if ca is None or cb is None else {"shared_prefix": shared_prefix(ca, cb), "tokens_equal": ca == cb,
                                                       "steps": len(ca)}
-    return {"labels": [a["label"], b["label"]], "prompts": rows, "control": control}
+    failures = []
+    if required:
+        failures = [f"prompt {r['index']}: tokens differ between the runs" for r in rows if not r["tokens_equal"]]
+        if control is None or not control["tokens_equal"]:
+            failures.append("control prompt: tokens differ between the runs")
+    return {"labels": [a["label"], b["label"]], "required": required, "prompts": rows, "control": control,
+            "failures": failures}
+
+
+def sampling_settings(sampling: SamplingParams, prompts: int) -> dict:
+    return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+            "seed": sampling.seed, "greedy": sampling.greedy,
+            "seeds": f"prompt i: {sampling.seed} + i; control prompt: {sampling.seed + prompts}"}
+
+
+def oracle_tokens_compared(settings: dict) -> bool:
+    """Answers must equal the (greedy) oracle's token for token: float32 and greedy decoding."""
+    return settings["dtype"] == "float32" and settings["sampling"]["greedy"]
 
 
 # ---------------------------------------------------------------------------------------- Markdown
@@ -231,6 +267,16 @@ def _oracle_cell(agreement: dict | None, strict: bool) -> str:
     return f"shared {agreement['shared_prefix']}/{steps}; max dlogit {diff_text}"
 
 
+def _sampling_cell(report: dict, run: dict) -> str:
+    s = report["settings"]["sampling"]
+    if s["greedy"]:
+        return "greedy"
+    top_k = "off" if s["top_k"] == 0 else s["top_k"]
+    top_p = "off" if s["top_p"] == 1 else f"{s['top_p']:g}"
+    return (f"temperature {s['temperature']:g}, top-k {top_k}, top-p {top_p}; seeds {s['seeds']}; "
+            f"sampler {run['sampling_backend']}")
+
+
 def _oracle_summary(run: dict, strict: bool) -> str:
     rows = [p["oracle"] for p in run["prompts"]]
     if strict:
@@ -241,7 +287,7 @@ def _oracle_summary(run: dict, strict: bool) -> str:
 
 def render_markdown(report: dict) -> str:
     runs = report["runs"]
-    strict = report["settings"]["dtype"] == "float32"
+    strict = oracle_tokens_compared(report["settings"])
     s = report["settings"]
     lines = [f"## End-to-end report: tiny DeepSeek-V4, {s['ranks']} DP ranks, {s['dtype']}, "
              f"KV cache {s['kv_cache']}, {s['device']}", ""]
@@ -249,6 +295,7 @@ def render_markdown(report: dict) -> str:
               "|---|" + "---|" * len(runs)]
     summary = [
         ("exit code", lambda r: report["exit_code"]),
+        ("sampling", lambda r: _sampling_cell(report, r)),
         ("sparse MLA backend per rank", lambda r: r["backend_summary"]),
         ("ModuleNotFoundError failures", lambda r: r["module_not_found_failures"]),
         ("kernels served by the default backend (op fallbacks)", lambda r: _fallbacks_cell(r["op_fallbacks"])),
@@ -280,6 +327,15 @@ def render_markdown(report: dict) -> str:
     if report["compare"] and report["compare"]["control"]:
         c = report["compare"]["control"]
         lines += ["", f"Control prompt, shared prefix between runs: {c['shared_prefix']}/{c['steps']}"]
+    if report["compare"]:
+        lines += ["", "Token identity between the runs: " + (
+            "required (DEEPINFER_SPARSE_MLA_BACKEND is pinned, so the runs differ only in the sampler's backend)"
+            if report["compare"]["required"] else
+            "reported, not required (the sparse MLA backend follows each run's TileLang availability)")]
+    if not s["sampling"]["greedy"]:
+        lines += ["", "Sampled decoding: the oracle is greedy, so answers are not compared with it token by token "
+                  "(a difference fails nothing); 'vs oracle' gives the shared prefix with its greedy answer and "
+                  "the max logits difference over the steps whose context both share."]
     if report["failures"]:
         lines += ["", "Failures:"] + [f"- {_cell(f)}" for f in report["failures"]]
     lines += ["", f"JSON: {report['json_path']}"]
@@ -294,7 +350,7 @@ def parse_args(argv):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=8, help="data-parallel ranks (default 8)")
     ap.add_argument("--prompts", type=int, default=8, help="prompts spread round-robin over the ranks (default 8)")
-    ap.add_argument("--max-new-tokens", type=int, default=8, help="greedy tokens per prompt (default 8)")
+    ap.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per prompt (default 8)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16" if has_cuda else "float32",
                     help="engine and oracle dtype (default bfloat16 with a GPU, float32 without)")
     ap.add_argument("--kv-cache", choices=("auto", "fp8"), default="auto", help="engine KV cache dtype (default auto)")
@@ -304,7 +360,18 @@ def parse_args(argv):
                     help="serve twice, TileLang blocked then present, and compare answers token by token")
     ap.add_argument("--timeout", type=float, default=900.0,
                     help="seconds for one DP serve before its ranks are killed (default 900)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every prompt (default 0: greedy)")
+    ap.add_argument("--top-k", type=int, default=0, help="top-k of every prompt (default 0: off)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="top-p of every prompt (default 1: off)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="sampling seed: prompt i uses seed + i, the control prompt seed + prompts (default 0)")
     args = ap.parse_args(argv)
+    try:
+        args.sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+        serve_dp.request_sampling(args.sampling, args.prompts)  # the control prompt's seed is an int64 too
+    except (TypeError, ValueError) as exc:
+        ap.error(re.sub(r"SamplingParams\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(exc)))
     for name in ("ranks", "prompts", "max_new_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
@@ -329,7 +396,7 @@ def main(argv=None) -> int:
                      "dtype": args.dtype, "kv_cache": args.kv_cache, "device": device,
                      "gpus": torch.cuda.device_count() if device == "cuda" else 0, "compare": args.compare,
                      "timeout_s": args.timeout, "environ": env, "checkpoint": None,
-                     "torch": torch.__version__},
+                     "torch": torch.__version__, "sampling": sampling_settings(args.sampling, args.prompts)},
         "oracle": None, "runs": [], "compare": None,
     }
     stage = "checkpoint"
@@ -365,16 +432,18 @@ def main(argv=None) -> int:
             stage = f"serve ({label})"
             job = serve_dp.DPJob(factory, tuple(map(tuple, prompts)), tuple(control), args.max_new_tokens,
                                  ranks=args.ranks, device_type=device, timeout_s=args.timeout,
-                                 environ=tuple(environ.items()))
+                                 environ=tuple(environ.items()), sampling=args.sampling)
             progress(f"serve ({label}): {args.ranks} ranks on {device}, "
                      f"env {environ or 'as given'}, timeout {args.timeout:.0f} s")
             result = serve_dp.serve(job, progress=lambda m, label=label: progress(f"serve ({label}): {m}"))
-            run = evaluate_run(label, environ, result, prompts, oracle, args.dtype == "float32", tokenizer.decode)
+            run = evaluate_run(label, environ, result, prompts, oracle, oracle_tokens_compared(report["settings"]),
+                               tokenizer.decode)
             report["runs"].append(run)
             progress(f"serve ({label}): {'ok' if run['ok'] else 'FAILED'} in {result.wall_seconds:.1f} s; "
                      f"backend {run['backend_summary']}; control {run['control']['agreeing']}/{args.ranks}")
         if args.compare:
-            report["compare"] = compare_runs(*report["runs"])
+            report["compare"] = compare_runs(*report["runs"], required=env[config.SPARSE_MLA_BACKEND.name] is not None)
+            report["failures"] += [f"compare: {f}" for f in report["compare"]["failures"]]
     except Exception as exc:
         traceback.print_exc()
         report["failures"].append(f"{stage}: {type(exc).__name__}: {exc}")

@@ -3,7 +3,7 @@
 # benchmarks and the end-to-end report. Each step has its own time limit and log; a summary of exit
 # codes ends the output, and the script exits nonzero if any step failed.
 #   bash scripts/gpu_checks.sh LOGDIR STEP [STEP...]
-# steps: tests memcheck ab bench sweep decode e2e e2e-nextn sample
+# steps: tests memcheck ab bench sweep decode e2e e2e-nextn e2e-sampled sample
 # A TileLang bundle at .tilelang_bundle/*.tar.xz (scripts/tilelang_bundle.sh) is installed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +48,9 @@ for s in "$@"; do
         e2e) step e2e 400 bash scripts/h20_e2e_report.sh --compare --json "$logdir/e2e.json" ;;
         e2e-nextn) step e2e_nextn 400 env DEEPINFER_USE_NEXTN_DECODE=1 bash scripts/h20_e2e_report.sh --compare \
                 --json "$logdir/e2e_nextn.json" ;;
+        e2e-sampled) step e2e_sampled 450 env DEEPINFER_SPARSE_MLA_BACKEND=triton DEEPINFER_USE_NEXTN_DECODE=1 \
+                bash scripts/h20_e2e_report.sh --compare --temperature 0.8 --top-p 0.9 --seed 1 \
+                --json "$logdir/e2e_sampled.json" ;;
         sample) step ab_fused_sample 450 python3 scripts/ab_fused_sample.py ;;
         *) echo "unknown step $s" >&2; exit 2 ;;
     esac

@@ -6,7 +6,11 @@
   the environment reaching the ranks; a rank that raises is reported with its exception text and a
   ModuleNotFoundError is counted; a hung rank and a crashed rank are reported and nothing waits past
   the deadline.
-- Report building on synthetic records: oracle agreement, failures, Markdown table, compare.
+- The sampled report in process: --temperature 0.8 --compare with the attention backend pinned
+  (2 ranks, NextN on): both runs agree token by token, sampled answers are not failed against the
+  greedy oracle, every rank samples the control prompt alike.
+- Report building on synthetic records: oracle agreement, failures, Markdown table, compare (and
+  its required mode); sampling flag validation.
 """
 
 from __future__ import annotations
@@ -258,8 +262,9 @@ def test_markdown_and_compare():
     b = e2e_report.evaluate_run("TileLang present", {}, synthetic_result(wrong_prompt=1), prompts, fake_oracle(), True,
                                 lambda ids: "x")
     report = {"exit_code": 1, "failures": a["failures"] + b["failures"], "runs": [a, b], "json_path": "/tmp/r.json",
-              "compare": e2e_report.compare_runs(a, b),
-              "settings": {"ranks": 4, "dtype": "float32", "kv_cache": "auto", "device": "cpu"}}
+              "compare": e2e_report.compare_runs(a, b, required=False),
+              "settings": {"ranks": 4, "dtype": "float32", "kv_cache": "auto", "device": "cpu",
+                           "sampling": e2e_report.sampling_settings(e2e_report.SamplingParams(), len(PROMPTS))}}
     cmp_rows = report["compare"]["prompts"]
     assert [c["shared_prefix"] for c in cmp_rows] == [5, 2, 5, 5, 5, 5]
     assert [c["tokens_equal"] for c in cmp_rows] == [True, False, True, True, True, True]
@@ -274,4 +279,56 @@ def test_markdown_and_compare():
     row1 = next(line for line in md.splitlines() if line.startswith("| 1 | 1 |"))
     assert "DIFFERENT (2/5" in row1 and row1.endswith("| 2/5 |")
     assert "Failures:" in md and "- prompt 1: tokens differ from the oracle after 2 of 5" in md
+    assert "| sampling | greedy | greedy |" in md
+    assert "Token identity between the runs: reported, not required" in md and "Sampled decoding" not in md
+    assert report["compare"]["failures"] == []
     assert md.rstrip().endswith("JSON: /tmp/r.json")
+    required = e2e_report.compare_runs(a, b, required=True)
+    assert required["failures"] == ["prompt 1: tokens differ between the runs"]
+    assert e2e_report.compare_runs(a, a, required=True)["failures"] == []
+
+
+def test_sampling_flags_are_validated_and_seeded_per_prompt(capsys):
+    args = e2e_report.parse_args(["--temperature", "0.8", "--top-k", "5", "--top-p", "0.9", "--seed", "7",
+                                  "--prompts", "3"])
+    assert args.sampling == e2e_report.SamplingParams(0.8, 5, 0.9, 7)
+    assert serve_dp.request_sampling(args.sampling, 2).seed == 9
+    assert e2e_report.sampling_settings(args.sampling, 3)["seeds"] == "prompt i: 7 + i; control prompt: 10"
+    assert e2e_report.parse_args([]).sampling.greedy
+    for argv, flag in ((["--temperature", "-1"], "--temperature"), (["--top-p", "0"], "--top-p"),
+                       (["--top-k", "-2"], "--top-k"), (["--seed", str(2**63 - 2), "--prompts", "4"], "--seed")):
+        with pytest.raises(SystemExit):
+            e2e_report.parse_args(argv)
+        assert f"error: {flag}: expected" in capsys.readouterr().err
+    with pytest.raises(TypeError, match="sampling: expected a SamplingParams"):
+        DPJob(FakeFactory(), PROMPTS, CONTROL, 5, sampling={"temperature": 0.8})
+
+
+def test_sampled_compare_report_agrees_token_by_token(tmp_path, monkeypatch, capsys):
+    """Issue 7's sampled compare at CI scale: DEEPINFER_SPARSE_MLA_BACKEND pinned, so the runs may
+    differ only in the sampler's backend and must agree token by token (the comparison is required);
+    NextN drafts and rejection sampling at temperature 0.8 / top-p 0.9; 2 ranks, 2 prompts, 3 tokens."""
+    for name, value in (("DEEPINFER_SPARSE_MLA_BACKEND", "ref"), ("DEEPINFER_KERNELS", "ref"),
+                        ("DEEPINFER_OPS_STRICT", "1"), ("DEEPINFER_USE_NEXTN_DECODE", "1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("DEEPINFER_SIMULATE_NO_TILELANG", raising=False)
+    out = tmp_path / "sampled.json"
+    code = e2e_report.main(["--ranks", "2", "--prompts", "2", "--max-new-tokens", "3", "--compare", "--temperature",
+                            "0.8", "--top-p", "0.9", "--seed", "1", "--json", str(out), "--timeout", "300"])
+    stdout = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert code == 0 and report["ok"], report["failures"]
+    assert report["settings"]["sampling"] == {"temperature": 0.8, "top_k": 0, "top_p": 0.9, "seed": 1, "greedy": False,
+                                              "seeds": "prompt i: 1 + i; control prompt: 3"}
+    cmp = report["compare"]
+    assert cmp["required"] and cmp["failures"] == []
+    assert all(p["tokens_equal"] and p["steps"] == 3 for p in cmp["prompts"]) and cmp["control"]["tokens_equal"]
+    for run in report["runs"]:
+        assert run["ok"] and run["control"]["agreeing"] == 2
+        assert run["sampling_backend"] == "ref x2" and run["nextn"]["enabled"] and run["nextn"]["drafted"] > 0
+    oracle = [p["output_ids"] for p in report["oracle"]["prompts"]] + [report["oracle"]["control"]["output_ids"]]
+    answers = [p["output_ids"] for p in report["runs"][0]["prompts"]] + [report["runs"][0]["control"]["output_ids"]]
+    assert answers != oracle, "temperature 0.8 must sample (fixed seeds: a fixed outcome)"
+    assert "| sampling | temperature 0.8, top-k off, top-p 0.9; seeds prompt i: 1 + i; control prompt: 3; " \
+           "sampler ref x2 |" in stdout
+    assert "Token identity between the runs: required" in stdout and "Sampled decoding: the oracle is greedy" in stdout

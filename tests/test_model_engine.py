@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import ops
-from engine.h20_ops import kv_quant, sparse_mla
+from engine.h20_ops import fused_sample, kv_quant, sparse_mla
 from engine.model import tiny
 from engine.model.hf_oracle import hf_greedy
 from engine.runner import Completion, Engine, Request
@@ -280,3 +280,110 @@ def test_engine_gives_pages_back_after_a_failing_step(checkpoint, backend_env, m
         Engine(checkpoint, kv_cache_dtype="int8")
     with pytest.raises(FileNotFoundError, match="checkpoint_dir"):
         Engine(checkpoint / "missing")
+
+
+# ------------------------------------------------------------------------------------------
+# sampling (SamplingParams on Request; one fused_sample launch per step; docs/sampling.md)
+
+SAMPLED = dict(temperature=0.8, top_p=0.9)
+
+
+def test_sampling_params_are_validated_naming_the_field(checkpoint, backend_env):
+    from engine.runner import SamplingParams
+
+    assert SamplingParams().greedy and not SamplingParams(temperature=0.8).greedy
+    assert Request("a", [5], 2).sampling == SamplingParams()  # every existing caller stays greedy
+    cases = [
+        (dict(temperature=-0.5), ValueError, "temperature"),
+        (dict(temperature=float("nan")), ValueError, "temperature"),
+        (dict(temperature=1e-40), ValueError, "temperature"),  # log2(e) / T overflows fp32
+        (dict(temperature=1e39), ValueError, "temperature"),  # not an fp32: would read as greedy
+        (dict(temperature="0.8"), TypeError, "temperature"),
+        (dict(top_k=-1), ValueError, "top_k"),
+        (dict(top_k=2.0), TypeError, "top_k"),
+        (dict(top_p=0.0), ValueError, "top_p"),
+        (dict(top_p=1.5), ValueError, "top_p"),
+        (dict(seed=2**63), ValueError, "seed"),
+        (dict(seed=True), TypeError, "seed"),
+    ]
+    for kwargs, error, field in cases:
+        with pytest.raises(error, match=rf"SamplingParams\.{field}: expected"):
+            SamplingParams(**kwargs)
+    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+    engine = Engine(checkpoint, max_seq_len=64)
+    with pytest.raises(TypeError, match=r"requests\[0\]\.sampling: expected a SamplingParams"):
+        engine.generate([Request("a", [5], 2, sampling={"temperature": 0.8})])
+
+
+def _sampled_requests(prompts, seeds, greedy=("short",), n=4):
+    """"text" and "one" sampled with `seeds`, the names in `greedy` greedy; n tokens each."""
+    from engine.runner import SamplingParams
+
+    reqs = [Request(name, prompts[name][0], n, SamplingParams(**SAMPLED, seed=seed))
+            for name, seed in zip(("text", "one"), seeds)]
+    return reqs + [Request(name, prompts[name][0], n) for name in greedy]
+
+
+def test_sampled_engine_ref_and_triton_samplers_agree_and_greedy_rows_stay_greedy(checkpoint, prompts, oracle,
+                                                                                 backend_env):
+    """fp32, temperature 0.8, top-p 0.9, a batch of two sampled requests and a greedy one: the
+    Triton sampler (interpreted) picks exactly the numpy reference sampler's tokens (the same
+    logits: attention and ops are the torch references in both runs), and the greedy request gets
+    the oracle's greedy tokens although it shares every sampling launch with sampled rows."""
+    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+    engine = Engine(checkpoint, max_batch_size=3, max_seq_len=256)
+    assert engine.sample_backend == "ref"
+    launches = []
+    real_sample = fused_sample.sample
+
+    def counting_sample(logits, *args, **kwargs):
+        launches.append(logits.size(0))
+        return real_sample(logits, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fused_sample, "sample", counting_sample)
+        by_ref = engine.generate(_sampled_requests(prompts, (11, 12)))
+    assert launches == [3, 3, 3, 3], "one sampling launch per step for the whole batch"
+    engine.sample_backend = "triton"
+    by_triton = engine.generate(_sampled_requests(prompts, (11, 12)))
+    for r, t in zip(by_ref, by_triton):
+        assert r.output_ids == t.output_ids, f"{r.request_id}: ref sampler {r.output_ids} != triton {t.output_ids}"
+    _assert_matches_oracle(by_triton[2:], {"short": (oracle["short"][0][:4], oracle["short"][1][:4])}, ["short"])
+    assert by_ref[0].output_ids != oracle["text"][0][:4], "temperature 0.8 must actually sample"
+    assert engine.stats()["fused_sample_backend"] == "triton"
+    _all_pages_free(engine)
+
+
+def test_sampled_engine_is_deterministic_per_seed(checkpoint, prompts, oracle, backend_env):
+    """One batch: two requests with the same prompt and seed (other batch slots) give the same tokens;
+    two more with other seeds give other tokens. Deterministic: fixed seeds and fp32 CPU logits, so
+    the outcome is fixed; it is not a lucky one: the chance that another seed repeats a request's 8
+    tokens is the product of their kept probabilities, asserted below 1e-3 (the model's top token
+    has probability 0.1-0.9 per step). The greedy request of the batch gets the oracle's tokens."""
+    from engine.runner import SamplingParams
+
+    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+    engine = Engine(checkpoint, max_batch_size=5, max_seq_len=256)
+    text = prompts["text"][0]
+    seeds = {"a": 21, "a-again": 21, "b": 22, "c": 23}
+    requests = [Request(name, text, 8, SamplingParams(**SAMPLED, seed=seed)) for name, seed in seeds.items()]
+    out = {c.request_id: c for c in engine.generate(requests + [Request("text", text, 8)])}
+    assert out["a-again"].output_ids == out["a"].output_ids
+    _assert_matches_oracle([out["text"]], oracle, ["text"])
+    for name in ("a", "b", "c"):
+        c = out[name]
+        chance = float(_kept_probabilities(c.step_logits, c.output_ids).prod())
+        assert chance < 1e-3, f"{name}: too likely to repeat by chance ({chance:.2g}): the check would be weak"
+    ids = [tuple(out[name].output_ids) for name in ("a", "b", "c")]
+    assert len(set(ids)) == 3, f"seeds 21, 22, 23 must give different tokens: {ids}"
+    _all_pages_free(engine)
+
+
+def _kept_probabilities(step_logits, tokens):
+    """Probability of each token under temperature 0.8 / top-p 0.9 (float64, smallest top set >= p)."""
+    probs = torch.softmax(step_logits.double() / SAMPLED["temperature"], dim=-1)
+    desc, order = probs.sort(dim=-1, descending=True)
+    kept = (desc.cumsum(-1) - desc) < SAMPLED["top_p"]  # the top tokens until the mass reaches p
+    kept_mass = (desc * kept).sum(-1)
+    chosen = probs.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+    return chosen / kept_mass

@@ -285,3 +285,110 @@ def test_nextn_triton_default_path(checkpoint, reference, monkeypatch):
     assert stats["sparse_mla_backend"] == "triton" and stats["op_fallbacks"] == {}
     assert stats["fused_sample_backend"] == "triton" and 0.0 <= stats["acceptance_rate"] <= 1.0
     _all_pages_free(engine)
+
+
+# ------------------------------------------------------------------------------------------
+# sampled speculative decoding: drafts from NextN on the draft lane, real rejection sampling
+
+SAMPLED = dict(temperature=0.8, top_p=0.9)
+SAMPLED_PROMPT = _random_prompt(5, 3)  # short prompts: the sampled tests' cost is per step
+
+
+def _sampled(seeds, greedy=False, n=4):
+    """Requests "s<seed>" on SAMPLED_PROMPT sampled with each seed (n tokens), then, if `greedy`,
+    the greedy "one" of PROMPTS (its reference length)."""
+    from engine.runner import SamplingParams
+
+    requests = [Request(f"s{seed}", SAMPLED_PROMPT, n, SamplingParams(**SAMPLED, seed=seed)) for seed in seeds]
+    return requests + ([Request("one", PROMPTS["one"][0], PROMPTS["one"][1])] if greedy else [])
+
+
+def test_nextn_sampled_ref_and_triton_samplers_agree(checkpoint, reference, monkeypatch):
+    """fp32, temperature 0.8, top-p 0.9, k = 2 drafts: the Triton sampler (interpreted) drafts, accepts
+    and emits exactly the numpy reference sampler's tokens (same logits: torch-reference attention
+    and ops in both runs); the greedy request in the same launches keeps the non-speculative greedy
+    tokens; each verify step is one rejection_sample launch for the whole batch."""
+    _set_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
+    engine = Engine(checkpoint, max_batch_size=2, max_seq_len=256, num_speculative_tokens=2)
+    requests = lambda: _sampled([31], greedy=True)  # noqa: E731
+    launches = []
+    real_rejection = fused_sample.rejection_sample
+
+    def counting_rejection(target_logits, *args, **kwargs):
+        launches.append(target_logits.size(0))
+        return real_rejection(target_logits, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fused_sample, "rejection_sample", counting_rejection)
+        by_ref = engine.generate(requests())
+    assert launches and all(n == 2 for n in launches[:-1]) and launches[-1] in (1, 2), launches
+    engine.sample_backend = "triton"
+    by_triton = engine.generate(requests())
+    for r, t in zip(by_ref, by_triton):
+        assert r.output_ids == t.output_ids, f"{r.request_id}: ref sampler {r.output_ids} != triton {t.output_ids}"
+    _assert_same_completions(by_triton[1:], reference)  # "one", greedy: the non-speculative tokens
+    stats = engine.stats()
+    assert stats["fused_sample_backend"] == "triton" and stats["draft_tokens"] > 0
+    _all_pages_free(engine)
+
+
+def test_nextn_sampled_is_deterministic_per_seed_and_greedy_rows_stay_greedy(checkpoint, reference, monkeypatch):
+    """Reference sampler, k = 1, one batch: two requests with the same prompt and seed (other batch
+    slots) give the same tokens, two with other seeds other tokens (fixed seeds, fp32: a fixed
+    outcome; 6 tokens at T 0.8 / top-p 0.9, where this model's top token has probability 0.1-0.9,
+    rarely repeat by chance: tests/test_model_engine.py bounds that chance for 8); the greedy
+    request of the batch gets the non-speculative greedy tokens."""
+    _set_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
+    engine = Engine(checkpoint, max_batch_size=5, max_seq_len=256)
+    requests = _sampled([41, 42, 43], greedy=True, n=6)
+    twin = _sampled([41], n=6)[0]
+    twin.request_id = "s41-again"
+    out = {c.request_id: c for c in engine.generate(requests[:1] + [twin] + requests[1:])}
+    assert out["s41-again"].output_ids == out["s41"].output_ids
+    ids = [tuple(out[f"s{seed}"].output_ids) for seed in (41, 42, 43)]
+    assert len(set(ids)) == 3, f"seeds 41, 42, 43 must give different tokens: {ids}"
+    _assert_same_completions([out["one"]], reference)
+    assert engine.stats()["draft_tokens"] > 0
+    _all_pages_free(engine)
+
+
+def test_draft_and_verify_draws_never_share_a_stream_word(checkpoint, monkeypatch):
+    """Every random decision of a sampled NextN run (k = 2): (seed, position, draw) of the first
+    tokens, of every draft and of every acceptance test, residual and bonus token that decided
+    something, collected from the engine's fused_sample calls: none is used twice. Verify steps are
+    steered through all outcomes (accept 2 + bonus, accept 1, reject the first), so the next chain
+    starts at every offset, including positions whose discarded drafts a naive draft position
+    (position + j) would draw again."""
+    from engine.h20_ops.fused_sample_ref import DRAW_ACCEPT, DRAW_DRAFT, DRAW_SAMPLE
+
+    _set_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
+    engine = Engine(checkpoint, max_batch_size=2, max_seq_len=256, num_speculative_tokens=2)
+    used, outcomes = [], []
+    real_sample, real_rejection = fused_sample.sample, fused_sample.rejection_sample
+
+    def recording_sample(logits, seeds, positions, temperature, top_k, top_p, *, draw, backend):
+        used.extend((s, p, draw) for s, p, t in zip(seeds.tolist(), positions.tolist(), temperature.tolist()) if t > 0)
+        return real_sample(logits, seeds, positions, temperature, top_k, top_p, draw=draw, backend=backend)
+
+    def steered_rejection(target, draft_logits, drafts, seeds, positions, temperature, top_k, top_p, *, backend):
+        # make drafts 0..m-1 the target's own argmax with the target as draft distribution (sure accepts)
+        m = (2, 1, 0)[len(outcomes) % 3]
+        draft_logits, drafts = draft_logits.clone(), drafts.clone()
+        draft_logits[:, :m] = target[:, :m]
+        drafts[:, :m] = target[:, :m].argmax(dim=-1)
+        tokens, accepted = real_rejection(target, draft_logits, drafts, seeds, positions, temperature, top_k, top_p,
+                                          backend=backend)
+        for s, p, a in zip(seeds.tolist(), positions.tolist(), accepted.tolist()):
+            used.extend((s, p + j, DRAW_ACCEPT) for j in range(min(a + 1, 2)))  # the tests made, up to a rejection
+            used.append((s, p + a, DRAW_SAMPLE))  # the residual token at the rejection, or the bonus at p + k
+        outcomes.extend(accepted.tolist())
+        return tokens, accepted
+
+    monkeypatch.setattr(fused_sample, "sample", recording_sample)
+    monkeypatch.setattr(fused_sample, "rejection_sample", steered_rejection)
+    engine.generate(_sampled([51], n=10))
+    assert {0, 1, 2} <= set(outcomes), outcomes
+    assert {d for _, _, d in used} == {DRAW_SAMPLE, DRAW_ACCEPT, DRAW_DRAFT}
+    repeated = [key for key in set(used) if used.count(key) > 1]
+    assert not repeated, f"stream words used twice: {sorted(repeated)}"
+    _all_pages_free(engine)
