@@ -44,3 +44,21 @@ def isolated_backend_selection():
     sys.modules.update(modules)
     sparse_mla.reset_resolution_for_tests()
     fused_sample.reset_resolution_for_tests()
+
+
+@pytest.fixture
+def launch_batches(monkeypatch):
+    """record(module, name): from now on every call of module.name also appends its first
+    argument's size(0) (the rows of one launch) to the returned list."""
+    def record(module, name: str) -> list[int]:
+        sizes: list[int] = []
+        real = getattr(module, name)
+
+        def recording(first, *args, **kwargs):
+            sizes.append(first.size(0))
+            return real(first, *args, **kwargs)
+
+        monkeypatch.setattr(module, name, recording)
+        return sizes
+
+    return record

@@ -325,7 +325,7 @@ def _sampled_requests(prompts, seeds, greedy=("short",), n=4):
 
 
 def test_sampled_engine_ref_and_triton_samplers_agree_and_greedy_rows_stay_greedy(checkpoint, prompts, oracle,
-                                                                                 backend_env):
+                                                                                 backend_env, launch_batches):
     """fp32, temperature 0.8, top-p 0.9, a batch of two sampled requests and a greedy one: the
     Triton sampler (interpreted) picks exactly the numpy reference sampler's tokens (the same
     logits: attention and ops are the torch references in both runs), and the greedy request gets
@@ -333,16 +333,8 @@ def test_sampled_engine_ref_and_triton_samplers_agree_and_greedy_rows_stay_greed
     backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
     engine = Engine(checkpoint, max_batch_size=3, max_seq_len=256)
     assert engine.sample_backend == "ref"
-    launches = []
-    real_sample = fused_sample.sample
-
-    def counting_sample(logits, *args, **kwargs):
-        launches.append(logits.size(0))
-        return real_sample(logits, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fused_sample, "sample", counting_sample)
-        by_ref = engine.generate(_sampled_requests(prompts, (11, 12)))
+    launches = launch_batches(fused_sample, "sample")
+    by_ref = engine.generate(_sampled_requests(prompts, (11, 12)))
     assert launches == [3, 3, 3, 3], "one sampling launch per step for the whole batch"
     engine.sample_backend = "triton"
     by_triton = engine.generate(_sampled_requests(prompts, (11, 12)))

@@ -303,7 +303,7 @@ def _sampled(seeds, greedy=False, n=4):
     return requests + ([Request("one", PROMPTS["one"][0], PROMPTS["one"][1])] if greedy else [])
 
 
-def test_nextn_sampled_ref_and_triton_samplers_agree(checkpoint, reference, monkeypatch):
+def test_nextn_sampled_ref_and_triton_samplers_agree(checkpoint, reference, monkeypatch, launch_batches):
     """fp32, temperature 0.8, top-p 0.9, k = 2 drafts: the Triton sampler (interpreted) drafts, accepts
     and emits exactly the numpy reference sampler's tokens (same logits: torch-reference attention
     and ops in both runs); the greedy request in the same launches keeps the non-speculative greedy
@@ -311,16 +311,8 @@ def test_nextn_sampled_ref_and_triton_samplers_agree(checkpoint, reference, monk
     _set_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
     engine = Engine(checkpoint, max_batch_size=2, max_seq_len=256, num_speculative_tokens=2)
     requests = lambda: _sampled([31], greedy=True)  # noqa: E731
-    launches = []
-    real_rejection = fused_sample.rejection_sample
-
-    def counting_rejection(target_logits, *args, **kwargs):
-        launches.append(target_logits.size(0))
-        return real_rejection(target_logits, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fused_sample, "rejection_sample", counting_rejection)
-        by_ref = engine.generate(requests())
+    launches = launch_batches(fused_sample, "rejection_sample")
+    by_ref = engine.generate(requests())
     assert launches and all(n == 2 for n in launches[:-1]) and launches[-1] in (1, 2), launches
     engine.sample_backend = "triton"
     by_triton = engine.generate(requests())
