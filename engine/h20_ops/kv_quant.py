@@ -250,16 +250,33 @@ def _pow2(e):
 
 
 @triton.jit
+def _token_addresses(cache_ptr, block_stride, capacity, slot, BLOCK_SIZE: tl.constexpr, IS_MODEL1: tl.constexpr,
+                     D_NOPE: tl.constexpr, TOKEN_BYTES: tl.constexpr):
+    """(valid, token_base, scale_base) of slot (int64, scalar or tensor): the byte addresses of the
+    token's NoPE codes and of its scales (layouts in the module header). A slot outside the cache is
+    not valid and gets slot 0's addresses, which the caller masks."""
+    valid = (slot >= 0) & (slot < capacity)
+    slot = tl.where(valid, slot, 0)
+    block_base = cache_ptr + (slot // BLOCK_SIZE) * block_stride
+    t = slot % BLOCK_SIZE
+    if IS_MODEL1:
+        token_base = block_base + t * 576
+        scale_base = block_base + BLOCK_SIZE * 576 + t * 8
+    else:
+        token_base = block_base + t * TOKEN_BYTES
+        scale_base = token_base + D_NOPE
+    return valid, token_base, scale_base
+
+
+@triton.jit
 def _quantize_kernel(cache_ptr, block_stride, capacity, slots_ptr, kv_ptr, kv_stride,
                      BLOCK_SIZE: tl.constexpr, IS_MODEL1: tl.constexpr, D_NOPE: tl.constexpr,
                      D_ROPE: tl.constexpr, TILE: tl.constexpr, NUM_TILES: tl.constexpr,
                      TILES_P2: tl.constexpr, TOKEN_BYTES: tl.constexpr):
     row = tl.program_id(0)
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    valid = (slot >= 0) & (slot < capacity)
-    slot = tl.where(valid, slot, 0)
-    block_base = cache_ptr + (slot // BLOCK_SIZE) * block_stride
-    t = slot % BLOCK_SIZE
+    valid, token_base, scale_base = _token_addresses(cache_ptr, block_stride, capacity, slot, BLOCK_SIZE,
+                                                     IS_MODEL1, D_NOPE, TOKEN_BYTES)
     tiles = tl.arange(0, TILES_P2)
     cols = tl.arange(0, TILE)
     in_tile = tiles < NUM_TILES
@@ -269,12 +286,6 @@ def _quantize_kernel(cache_ptr, block_stride, capacity, slots_ptr, kv_ptr, kv_st
     e = (amax_bits >> 23) - 135 + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
     e = tl.maximum(e, -13)
     codes = _encode_e4m3(x * _pow2(-e)[:, None])
-    if IS_MODEL1:
-        token_base = block_base + t * 576
-        scale_base = block_base + BLOCK_SIZE * 576 + t * 8
-    else:
-        token_base = block_base + t * TOKEN_BYTES
-        scale_base = token_base + D_NOPE
     tl.store(token_base + tiles[:, None] * TILE + cols[None, :], codes.to(tl.uint8),
              mask=in_tile[:, None] & valid)
     if IS_MODEL1:
@@ -303,16 +314,8 @@ def _gather_dequant_kernel(cache_ptr, block_stride, capacity, slots_ptr, slots_s
     b = row // W
     w = row % W
     slot = tl.load(slots_ptr + b * slots_stride_b + w, mask=in_range, other=-1).to(tl.int64)
-    valid = (slot >= 0) & (slot < capacity)
-    slot = tl.where(valid, slot, 0)
-    block_base = cache_ptr + (slot // BLOCK_SIZE) * block_stride
-    t = slot % BLOCK_SIZE
-    if IS_MODEL1:
-        token_base = block_base + t * 576
-        scale_base = block_base + BLOCK_SIZE * 576 + t * 8
-    else:
-        token_base = block_base + t * TOKEN_BYTES
-        scale_base = token_base + D_NOPE
+    valid, token_base, scale_base = _token_addresses(cache_ptr, block_stride, capacity, slot, BLOCK_SIZE,
+                                                     IS_MODEL1, D_NOPE, TOKEN_BYTES)
     tiles = tl.arange(0, TILES_P2)
     cols = tl.arange(0, TILE)
     in_tile = tiles < NUM_TILES
