@@ -333,6 +333,7 @@ def test_model_shapes_on_gpu(h_q, d_qk, topk):
 
 SM90_COMPILE = r"""
 import re, sys
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -342,7 +343,7 @@ kernel = fs._sparse_mla_fwd_kernel
 pointers = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32",
             "topk_length_ptr": "*i32", "out_ptr": "*bf16", "max_logits_ptr": "*fp32", "lse_ptr": "*fp32"}
 d_qk = int(sys.argv[1])
-cfg = fs.default_config(__import__("torch").bfloat16)
+cfg = fs.default_config(torch.bfloat16)
 constexprs = dict(H_TILES=1, BLOCK_H=64, BLOCK_K=cfg.block_k, D_V=512, D_ROPE=d_qk - 512, HAS_SINK=True,
                   HAS_TOPK_LENGTH=True, DOT_F32=False, INPUT_PRECISION="tf32")
 signature, attrs = {}, {}
