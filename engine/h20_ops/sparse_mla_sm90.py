@@ -10,17 +10,27 @@ Contract: FlashMLA's sparse prefill (../../../shared/reference/sparse_mla_contra
   Empty row: out 0, lse +inf. Sink: out *= 1 / (1 + 2^(sink * log2(e) - lse)), lse unchanged.
 
 Numerics: bf16 operands, fp32 accumulators (QK^T and PV on wgmma), fp32 online softmax in base 2
-(scores scaled by sm_scale * log2(e)); P is rounded to bf16 for the PV product.
+(scores scaled by sm_scale * log2(e)); P is rounded to bf16 for the PV product (consumer 0's P
+once for its own P V and once, rescaled to the pair's max, for the other consumer's).
 
-Schedule (one CTA = one query row x 64 heads, 384 threads, hand-written warp specialization):
-  producer warpgroup: first gathers Q with cp.async (covered by the first k_ready arrival); per
-    step reads 64 indices, tests validity, gathers the rows with predicated cp.async (an invalid
-    entry zero-fills its row, source size 0, so it never reads kv) into a 2-stage shared ring,
-    signals `k_ready[stage]` with cp.async.mbarrier.arrive;
-  consumer 0: S = Q K^T (wgmma), masks invalid entries to -inf, online softmax, publishes P (bf16)
-    and the rescale factor through shared memory, accumulates O[:, :256] += P V[:, :256];
-  consumer 1: accumulates O[:, 256:] += P V[:, 256:] with consumer 0's P and factor.
-  A stage is released when both consumers are done with it (`k_free`, 256 arrivals).
+Schedule (one CTA = one query row x 64 heads, 384 threads, hand-written warp specialization).
+The top-k list is walked in PAIRS of 64-entry blocks: block 2p goes to shared buffer 0, block 2p + 1
+to buffer 1 (an odd last block is paired with an all-invalid one).
+  producer warpgroup: first gathers Q with cp.async (covered by the first arrivals); per pair loads
+    the 128 indices, tests validity, and gathers the rows with predicated 16-byte cp.async (an
+    invalid entry zero-fills its row, source size 0, so kv is never read) half by half (columns
+    [0, 256) and [256, d_qk)) in the order the consumers need them, each half signalling its own
+    mbarrier (cp.async.mbarrier.arrive);
+  consumer c (c = 0, 1): S_c = Q K_c^T for buffer c's block (wgmma), masks invalid entries to -inf;
+    the pair's row max is shared (consumer 0 publishes max(old, S_0), consumer 1 folds in S_1 and
+    publishes the pair's max; named barriers); P_c = exp2(S_c - max) in bf16;
+    O[:, 256c : 256c + 256] += P_c V_c (P from registers) + P_(1-c) V_(1-c) (the other consumer's P
+    through shared memory, rescaled to the pair's max). Both consumers do the same tensor work and
+    each one's softmax overlaps the other's wgmmas. The row sum is split between the consumers and
+    added at the end.
+  A buffer half is released (`free`) by the last consumer that reads it.
+  No wgmma is in flight across a loop back edge: ptxas then serializes every wgmma of the kernel
+  (warning C7515; a CPU test runs ptxas on the generated PTX and fails on it or on spills).
 
 Constraints: h_q in {64, 128} (tiled by 64 heads per CTA), d_qk in {512, 576} (V = first 512
 columns), any topk >= 1 (the last block is masked by position, nothing is padded on the host).
@@ -51,6 +61,11 @@ PASS_CONFIGS = {
 }
 
 
+# Named barriers (bar.arrive by one consumer, bar.sync by the other; 256 threads). TileLang's own
+# passes use the low ids, so these start at 10.
+BAR_MAX0, BAR_MAX1, BAR_P0, BAR_P1, BAR_SUM, BAR_FINAL = 10, 11, 12, 13, 14, 15
+
+
 def sparse_mla_program(h_q: int, d_qk: int):
     """The TileLang PrimFunc for one (h_q, d_qk); s_q, s_kv and topk are symbolic."""
     if h_q % HEADS_PER_CTA:
@@ -61,10 +76,10 @@ def sparse_mla_program(h_q: int, d_qk: int):
     d_tail = d_qk - D_V
     head_tiles = h_q // HEADS_PER_CTA
     H, BI, DH = HEADS_PER_CTA, BLOCK_TOPK, D_V // 2
-    # Each producer thread copies 16-byte chunks t % 8 + 8 c of its row, c in chunk_groups.
-    chunk_groups = tuple(range(d_qk // 64))
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
-    stages = (0, 1)
+    bufs = (0, 1)
+    chunk_groups = tuple(range(d_qk // 64))  # 16-byte chunk t % 8 + 8 c of a row per producer thread
+    NEG_INF = -T.infinity(f32)
 
     @T.prim_func
     def kernel(
@@ -82,79 +97,112 @@ def sparse_mla_program(h_q: int, d_qk: int):
         with T.Kernel(s_q * head_tiles, threads=384) as bx:
             q_l = T.alloc_shared([H, DH], bf16)
             q_r = T.alloc_shared([H, DH], bf16)
-            kv_l = [T.alloc_shared([BI, DH], bf16) for _ in stages]
-            kv_r = [T.alloc_shared([BI, DH], bf16) for _ in stages]
+            # Buffer b holds block 2p + b of pair p: columns [0, 256) in kv_l[b], [256, 512) in kv_r[b],
+            # the RoPE tail (d_qk 576) in k_t[b].
+            kv_l = [T.alloc_shared([BI, DH], bf16) for _ in bufs]
+            kv_r = [T.alloc_shared([BI, DH], bf16) for _ in bufs]
+            p_1 = T.alloc_shared([H, BI], bf16)
             if d_tail:
                 q_t = T.alloc_shared([H, d_tail], bf16)
-                k_t = [T.alloc_shared([BI, d_tail], bf16) for _ in stages]
+                k_t = [T.alloc_shared([BI, d_tail], bf16) for _ in bufs]
+                # P of buffer 0 lives in buffer 0's tail once S of that block is done (227 KB of shared
+                # memory do not hold a separate one); the tail is refilled only after consumer 1 has
+                # read P.
+                p_0 = k_t[0]
+            else:
+                p_0 = T.alloc_shared([H, BI], bf16)
+            p_smem = (p_0, p_1)
             valid = T.alloc_shared([2, BI], "bool")
-            p_smem = T.alloc_shared([H, BI], bf16)
-            alpha_smem = T.alloc_shared([H], f32)
+            max_smem = T.alloc_shared([2, H], f32)
+            sum_smem = T.alloc_shared([H], f32)
             final_smem = T.alloc_shared([H], f32)
 
-            k_ready = T.alloc_barrier([128, 128])
-            k_free = T.alloc_barrier([256, 256])
-            p_ready = T.alloc_barrier(128)
-            p_free = T.alloc_barrier(128)
-            final_ready = T.alloc_barrier(128)
+            # ready_l[b] / ready_r[b]: buffer b's columns [0, 256) / [256, d_qk) have arrived;
+            # free_l[b] / free_r[b]: their last reader is done (128 arrivals each)
+            ready_l = T.alloc_barrier([128, 128])
+            ready_r = T.alloc_barrier([128, 128])
+            free_l = T.alloc_barrier([128, 128])
+            free_r = T.alloc_barrier([128, 128])
 
             s_i = bx // head_tiles
             h0 = (bx % head_tiles) * H
-            n_blocks = T.ceildiv(topk, BI)
+            n_pairs = T.ceildiv(topk, 2 * BI)
             tx = T.get_thread_binding()
 
             if tx < 128:
-                # Consumer 0: S = Q K^T, online softmax, publishes P and alpha, O[:, :256] += P V.
-                T.set_max_nreg(240, 1)
+                # Consumer 0: buffer 0 and O[:, :256].
+                T.set_max_nreg(216, 1)
                 acc_s = T.alloc_fragment([H, BI], f32)
+                acc_p = T.alloc_fragment([H, BI], bf16)
                 acc_o = T.alloc_fragment([H, DH], f32)
-                m_i = T.alloc_fragment([H], f32)
-                m_prev = T.alloc_fragment([H], f32)
+                m_run = T.alloc_fragment([H], f32)  # max over all pairs so far (same in both consumers)
+                m_blk = T.alloc_fragment([H], f32)
+                m_new = T.alloc_fragment([H], f32)
                 m_safe = T.alloc_fragment([H], f32)
                 alpha = T.alloc_fragment([H], f32)
                 sum_i = T.alloc_fragment([H], f32)
-                sumexp = T.alloc_fragment([H], f32)
-                lse = T.alloc_fragment([H], f32)
+                sumexp = T.alloc_fragment([H], f32)  # this consumer's share of the row sum
                 final = T.alloc_fragment([H], f32)
+                lse = T.alloc_fragment([H], f32)
                 T.fill(acc_o, 0)
                 T.fill(sumexp, 0)
-                T.fill(m_i, -T.infinity(f32))
-                for pair in T.serial(T.ceildiv(n_blocks, 2)):
-                    for st in stages:
-                        it = pair * 2 + st
-                        if it < n_blocks:
-                            T.barrier_wait(k_ready[st], pair & 1)
-                            T.fill(acc_s, 0)
-                            T.wgmma_gemm(q_l, kv_l[st], acc_s, transpose_B=True)
-                            T.wgmma_gemm(q_r, kv_r[st], acc_s, transpose_B=True)
-                            if d_tail:
-                                T.wgmma_gemm(q_t, k_t[st], acc_s, transpose_B=True)
-                            T.wait_wgmma(0)
-                            for h, j in T.Parallel(H, BI):
-                                acc_s[h, j] = T.if_then_else(valid[st, j], acc_s[h, j] * scale2, -T.infinity(f32))
-                            T.copy(m_i, m_prev)
-                            T.reduce_max(acc_s, m_i, dim=1, clear=False)
-                            for h in T.Parallel(H):
-                                # -inf until the row meets a valid entry: subtract 0 so exp2 gives 0, not NaN.
-                                m_safe[h] = T.if_then_else(m_i[h] == -T.infinity(f32), 0.0, m_i[h])
-                                alpha[h] = T.exp2(m_prev[h] - m_safe[h])
-                            for h, j in T.Parallel(H, BI):
-                                acc_s[h, j] = T.exp2(acc_s[h, j] - m_safe[h])
-                            T.reduce_sum(acc_s, sum_i, dim=1)
-                            for h in T.Parallel(H):
-                                sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
-                            for h, d in T.Parallel(H, DH):
-                                acc_o[h, d] *= alpha[h]
-                            # Consumer 1 must be done with the previous P before it is overwritten.
-                            T.barrier_wait(p_free, (it & 1) ^ 1)
-                            T.copy(alpha, alpha_smem)
-                            T.copy(acc_s, p_smem)
-                            T.fence_proxy_async()
-                            T.barrier_arrive(p_ready)
-                            T.gemm(p_smem, kv_l[st], acc_o)
-                            T.barrier_arrive(k_free[st])
+                T.fill(m_run, NEG_INF)
+                for p in T.serial(n_pairs):
+                    # S is issued and waited for inside the iteration: a wgmma in flight across the
+                    # loop's back edge makes ptxas serialize every wgmma of the kernel (C7515), and a
+                    # second copy of the S issue before the loop makes it spill the hoisted descriptors.
+                    T.barrier_wait(ready_l[0], p & 1)
+                    T.wgmma_gemm(q_l, kv_l[0], acc_s, transpose_B=True, clear_accum=True)
+                    T.barrier_wait(ready_r[0], p & 1)
+                    T.wgmma_gemm(q_r, kv_r[0], acc_s, transpose_B=True)
+                    if d_tail:
+                        T.wgmma_gemm(q_t, k_t[0], acc_s, transpose_B=True)
+                    T.wait_wgmma(0)
+                    for h, j in T.Parallel(H, BI):
+                        acc_s[h, j] = T.if_then_else(valid[0, j], acc_s[h, j] * scale2, NEG_INF)
+                    T.reduce_max(acc_s, m_blk, dim=1)
+                    for h in T.Parallel(H):
+                        m_new[h] = T.max(m_run[h], m_blk[h])
+                        max_smem[0, h] = m_new[h]
+                    T.named_barrier_arrive(BAR_MAX0, 256)
+                    for h in T.Parallel(H):
+                        # -inf until the row meets a valid entry: subtract 0 so exp2 gives 0, not NaN.
+                        m_safe[h] = T.if_then_else(m_new[h] == NEG_INF, 0.0, m_new[h])
+                        alpha[h] = T.exp2(m_run[h] - m_safe[h])
+                    for h, j in T.Parallel(H, BI):
+                        acc_s[h, j] = T.exp2(acc_s[h, j] - m_safe[h])
+                    T.reduce_sum(acc_s, sum_i, dim=1)
+                    for h in T.Parallel(H):
+                        sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
+                    for h, d in T.Parallel(H, DH):
+                        acc_o[h, d] *= alpha[h]
+                    T.copy(acc_s, acc_p)
+                    T.wgmma_gemm(acc_p, kv_l[0], acc_o)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(free_l[0])
+                    # Consumer 1 has folded its block into the max: rescale P_0 and O to it.
+                    T.sync_threads(BAR_MAX1, 256)
+                    for h in T.Parallel(H):
+                        # alpha := factor from this block's max to the pair's max (0 if P_0 is all 0)
+                        alpha[h] = T.if_then_else(m_new[h] == NEG_INF, 0.0, T.exp2(m_new[h] - max_smem[1, h]))
+                        sumexp[h] *= alpha[h]
+                        m_run[h] = max_smem[1, h]
+                    for h, j in T.Parallel(H, BI):
+                        acc_s[h, j] *= alpha[h]
+                    T.copy(acc_s, p_smem[0])
+                    T.fence_proxy_async()
+                    T.named_barrier_arrive(BAR_P0, 256)
+                    for h, d in T.Parallel(H, DH):
+                        acc_o[h, d] *= alpha[h]
+                    T.sync_threads(BAR_P1, 256)
+                    T.wgmma_gemm(p_smem[1], kv_l[1], acc_o)
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(free_l[1])
+                # Row sum = both consumers' shares (same max); consumer 0 writes lse.
+                T.sync_threads(BAR_SUM, 256)
                 for h in T.Parallel(H):
-                    lse[h] = T.if_then_else(sumexp[h] > 0, T.log2(sumexp[h]) + m_i[h], T.infinity(f32))
+                    sumexp[h] += sum_smem[h]
+                    lse[h] = T.if_then_else(sumexp[h] > 0, T.log2(sumexp[h]) + m_run[h], T.infinity(f32))
                     final[h] = T.if_then_else(sumexp[h] > 0, 1.0 / sumexp[h], 0.0)
                 if use_sink != 0:
                     for h in T.Parallel(H):
@@ -162,42 +210,84 @@ def sparse_mla_program(h_q: int, d_qk: int):
                         final[h] = T.if_then_else(
                             sumexp[h] > 0, final[h] / (1.0 + T.exp2(Sink[h0 + h] * LOG2E - lse[h])), 0.0)
                 T.copy(final, final_smem)
-                T.barrier_arrive(final_ready)
+                T.copy(lse, Lse[s_i, h0:h0 + H])
+                T.named_barrier_arrive(BAR_FINAL, 256)
                 for h, d in T.Parallel(H, DH):
                     acc_o[h, d] *= final[h]
                 T.copy(acc_o, Out[s_i, h0:h0 + H, 0:DH])
-                T.copy(lse, Lse[s_i, h0:h0 + H])
             elif tx < 256:
-                # Consumer 1: O[:, 256:] += P V with consumer 0's P and rescale factor.
-                T.set_max_nreg(168, 1)
+                # Consumer 1: buffer 1 and O[:, 256:].
+                T.set_max_nreg(216, 1)
+                acc_s = T.alloc_fragment([H, BI], f32)
+                acc_p = T.alloc_fragment([H, BI], bf16)
                 acc_o = T.alloc_fragment([H, DH], f32)
+                m_run = T.alloc_fragment([H], f32)  # max over all pairs so far (same in both consumers)
+                m_blk = T.alloc_fragment([H], f32)
+                m_new = T.alloc_fragment([H], f32)
+                m_safe = T.alloc_fragment([H], f32)
+                alpha = T.alloc_fragment([H], f32)
+                sum_i = T.alloc_fragment([H], f32)
+                sumexp = T.alloc_fragment([H], f32)  # this consumer's share of the row sum
                 T.fill(acc_o, 0)
-                for pair in T.serial(T.ceildiv(n_blocks, 2)):
-                    for st in stages:
-                        it = pair * 2 + st
-                        if it < n_blocks:
-                            T.barrier_wait(p_ready, it & 1)
-                            for h, d in T.Parallel(H, DH):
-                                acc_o[h, d] *= alpha_smem[h]
-                            T.gemm(p_smem, kv_r[st], acc_o)
-                            T.barrier_arrive(p_free)
-                            T.barrier_arrive(k_free[st])
-                T.barrier_wait(final_ready, 0)
+                T.fill(sumexp, 0)
+                T.fill(m_run, NEG_INF)
+                for p in T.serial(n_pairs):
+                    T.barrier_wait(ready_r[1], p & 1)
+                    T.wgmma_gemm(q_r, kv_r[1], acc_s, transpose_B=True, clear_accum=True)
+                    if d_tail:
+                        T.wgmma_gemm(q_t, k_t[1], acc_s, transpose_B=True)
+                    T.barrier_wait(ready_l[1], p & 1)
+                    T.wgmma_gemm(q_l, kv_l[1], acc_s, transpose_B=True)
+                    T.wait_wgmma(0)
+                    for h, j in T.Parallel(H, BI):
+                        acc_s[h, j] = T.if_then_else(valid[1, j], acc_s[h, j] * scale2, NEG_INF)
+                    T.reduce_max(acc_s, m_blk, dim=1)
+                    T.sync_threads(BAR_MAX0, 256)
+                    for h in T.Parallel(H):
+                        m_new[h] = T.max(max_smem[0, h], m_blk[h])
+                        max_smem[1, h] = m_new[h]
+                    T.named_barrier_arrive(BAR_MAX1, 256)
+                    for h in T.Parallel(H):
+                        m_safe[h] = T.if_then_else(m_new[h] == NEG_INF, 0.0, m_new[h])
+                        alpha[h] = T.exp2(m_run[h] - m_safe[h])
+                        m_run[h] = m_new[h]
+                    for h, j in T.Parallel(H, BI):
+                        acc_s[h, j] = T.exp2(acc_s[h, j] - m_safe[h])
+                    T.reduce_sum(acc_s, sum_i, dim=1)
+                    for h in T.Parallel(H):
+                        sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
+                    for h, d in T.Parallel(H, DH):
+                        acc_o[h, d] *= alpha[h]
+                    T.copy(acc_s, acc_p)
+                    T.wgmma_gemm(acc_p, kv_r[1], acc_o)
+                    T.copy(acc_s, p_smem[1])
+                    T.fence_proxy_async()
+                    T.named_barrier_arrive(BAR_P1, 256)
+                    T.sync_threads(BAR_P0, 256)
+                    T.wgmma_gemm(p_smem[0], kv_r[0], acc_o)
+                    T.wait_wgmma(1)
+                    T.barrier_arrive(free_r[1])
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(free_r[0])
+                for h in T.Parallel(H):
+                    sum_smem[h] = sumexp[h]
+                T.named_barrier_arrive(BAR_SUM, 256)
+                T.sync_threads(BAR_FINAL, 256)
                 for h, d in T.Parallel(H, DH):
                     acc_o[h, d] *= final_smem[h]
                 T.copy(acc_o, Out[s_i, h0:h0 + H, DH:D_V])
             else:
-                # Producer: gathers Q, then the valid top-k rows into the 2-stage ring; an invalid
-                # entry zero-fills its row (cp.async with source size 0) and never reads kv.
-                T.set_max_nreg(80, 0)
+                # Producer: gathers Q, then per pair the rows of blocks 2p and 2p + 1 into buffers 0
+                # and 1, half by half in the order the consumers need them; an invalid entry (or a
+                # position past topk when the last pair has one block) zero-fills its row with a
+                # predicated cp.async (source size 0) and never reads kv.
+                T.set_max_nreg(72, 0)
                 t = tx - 256
                 limit = T.alloc_var(i32)
                 limit = T.if_then_else(use_topk_length != 0, T.min(topk, TopkLength[s_i]), topk)
                 rows_per_pass = 16  # 8 threads per kv row
                 passes = BI // rows_per_pass
-                rows = T.alloc_local([passes], i32)  # kv row of each entry this thread copies, -1 if invalid
-                # Q is gathered like a kv block (the first k_ready arrival covers it too): a plain
-                # T.copy by all threads compiled to ~86 serialized 2-byte loads per thread.
+                rows = T.alloc_local([2, passes], i32)  # kv row per (buffer, pass), -1 if invalid
                 for r in T.unroll(passes):
                     j = r * rows_per_pass + t // 8
                     for c in chunk_groups:
@@ -211,34 +301,37 @@ def sparse_mla_program(h_q: int, d_qk: int):
                         else:
                             T.ptx_cp_async(T.access_ptr(q_t[j, col - D_V], "w", 8),
                                            T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
-                for pair in T.serial(T.ceildiv(n_blocks, 2)):
-                    for st in stages:
-                        it = pair * 2 + st
-                        if it < n_blocks:
-                            # Index loads are issued before waiting for the slot, hiding their latency.
-                            for r in T.unroll(passes):
-                                pos = it * BI + r * rows_per_pass + t // 8
-                                rows[r] = T.if_then_else(pos < limit, Indices[s_i, T.min(pos, topk - 1)], -1)
-                                rows[r] = T.if_then_else((rows[r] >= 0) & (rows[r] < s_kv), rows[r], -1)
-                            T.barrier_wait(k_free[st], (pair & 1) ^ 1)
-                            for r in T.unroll(passes):
-                                j = r * rows_per_pass + t // 8
-                                ok = rows[r] >= 0
-                                src = T.max(rows[r], 0)  # any in-bounds address; not read when not ok
+                for p in T.serial(n_pairs):
+                    phase = (p & 1) ^ 1
+                    # Index loads are issued before waiting for the slots, hiding their latency.
+                    for b in bufs:
+                        for r in T.unroll(passes):
+                            pos = (2 * p + b) * BI + r * rows_per_pass + t // 8
+                            rows[b, r] = T.if_then_else(pos < limit, Indices[s_i, T.min(pos, topk - 1)], -1)
+                            rows[b, r] = T.if_then_else((rows[b, r] >= 0) & (rows[b, r] < s_kv), rows[b, r], -1)
+                    # (buffer, half) in the order the consumers wait for them
+                    for b, half in ((0, 0), (1, 1), (0, 1), (1, 0)):
+                        first_half_of_buffer = (b, half) in ((0, 0), (1, 1))
+                        T.barrier_wait(free_r[b] if half else free_l[b], phase)
+                        for r in T.unroll(passes):
+                            j = r * rows_per_pass + t // 8
+                            ok = rows[b, r] >= 0
+                            src = T.max(rows[b, r], 0)  # any in-bounds address; not read when not ok
+                            if first_half_of_buffer:  # the buffer's previous readers are done with valid[b]
                                 if t % 8 == 0:
-                                    valid[st, j] = ok
-                                for c in chunk_groups:  # unrolled at trace time
-                                    col = c * 64 + t % 8 * 8
-                                    if c * 64 < DH:
-                                        T.ptx_cp_async(T.access_ptr(kv_l[st][j, col], "w", 8),
-                                                       T.access_ptr(KV[src, col], "r", 8), 8, predicate=ok)
-                                    elif c * 64 < D_V:
-                                        T.ptx_cp_async(T.access_ptr(kv_r[st][j, col - DH], "w", 8),
-                                                       T.access_ptr(KV[src, col], "r", 8), 8, predicate=ok)
-                                    else:
-                                        T.ptx_cp_async(T.access_ptr(k_t[st][j, col - D_V], "w", 8),
-                                                       T.access_ptr(KV[src, col], "r", 8), 8, predicate=ok)
-                            T.cp_async_barrier_noinc(k_ready[st])
+                                    valid[b, j] = ok
+                            for c in chunk_groups:
+                                col = c * 64 + t % 8 * 8
+                                if half == 0 and c * 64 < DH:
+                                    T.ptx_cp_async(T.access_ptr(kv_l[b][j, col], "w", 8),
+                                                   T.access_ptr(KV[src, col], "r", 8), 8, predicate=ok)
+                                elif half == 1 and DH <= c * 64 < D_V:
+                                    T.ptx_cp_async(T.access_ptr(kv_r[b][j, col - DH], "w", 8),
+                                                   T.access_ptr(KV[src, col], "r", 8), 8, predicate=ok)
+                                elif half == 1 and c * 64 >= D_V:
+                                    T.ptx_cp_async(T.access_ptr(k_t[b][j, col - D_V], "w", 8),
+                                                   T.access_ptr(KV[src, col], "r", 8), 8, predicate=ok)
+                        T.cp_async_barrier_noinc(ready_r[b] if half else ready_l[b])
 
     return kernel
 
