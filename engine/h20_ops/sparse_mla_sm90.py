@@ -43,6 +43,7 @@ on the host (the kernel assumes dense row-major tensors).
 
 import functools
 import math
+import types
 
 import tilelang
 import tilelang.language as T
@@ -80,6 +81,51 @@ def sparse_mla_program(h_q: int, d_qk: int):
     bufs = (0, 1)
     chunk_groups = tuple(range(d_qk // 64))  # 16-byte chunk t % 8 + 8 c of a row per producer thread
     NEG_INF = -T.infinity(f32)
+
+    def consumer_fragments():
+        """Per-consumer registers: S / P of its block, its 256 output columns, row statistics.
+        (A plain helper may allocate; statements must come from T.macros, see reset.)"""
+        r = types.SimpleNamespace(
+            acc_s=T.alloc_fragment([H, BI], f32),
+            acc_p=T.alloc_fragment([H, BI], bf16),
+            acc_o=T.alloc_fragment([H, DH], f32),
+            m_run=T.alloc_fragment([H], f32),  # max over all pairs so far (same in both consumers)
+            m_blk=T.alloc_fragment([H], f32),
+            m_new=T.alloc_fragment([H], f32),
+            m_safe=T.alloc_fragment([H], f32),
+            alpha=T.alloc_fragment([H], f32),
+            sum_i=T.alloc_fragment([H], f32),
+            sumexp=T.alloc_fragment([H], f32),  # this consumer's share of the row sum
+        )
+        return r
+
+    @T.macro
+    def reset(r):
+        T.fill(r.acc_o, 0)
+        T.fill(r.sumexp, 0)
+        T.fill(r.m_run, NEG_INF)
+
+    @T.macro
+    def block_max(r, valid, buf, scale2):
+        """Mask buffer buf's invalid entries to -inf, scale to the exp2 domain, row max -> m_blk."""
+        for h, j in T.Parallel(H, BI):
+            r.acc_s[h, j] = T.if_then_else(valid[buf, j], r.acc_s[h, j] * scale2, NEG_INF)
+        T.reduce_max(r.acc_s, r.m_blk, dim=1)
+
+    @T.macro
+    def exponentiate_and_rescale(r):
+        """P = exp2(S - m_new) in place, row sums, and O / sums rescaled from m_run to m_new."""
+        for h in T.Parallel(H):
+            # -inf until the row meets a valid entry: subtract 0 so exp2 gives 0, not NaN.
+            r.m_safe[h] = T.if_then_else(r.m_new[h] == NEG_INF, 0.0, r.m_new[h])
+            r.alpha[h] = T.exp2(r.m_run[h] - r.m_safe[h])
+        for h, j in T.Parallel(H, BI):
+            r.acc_s[h, j] = T.exp2(r.acc_s[h, j] - r.m_safe[h])
+        T.reduce_sum(r.acc_s, r.sum_i, dim=1)
+        for h in T.Parallel(H):
+            r.sumexp[h] = r.sumexp[h] * r.alpha[h] + r.sum_i[h]
+        for h, d in T.Parallel(H, DH):
+            r.acc_o[h, d] *= r.alpha[h]
 
     @T.prim_func
     def kernel(
@@ -132,150 +178,107 @@ def sparse_mla_program(h_q: int, d_qk: int):
             if tx < 128:
                 # Consumer 0: buffer 0 and O[:, :256].
                 T.set_max_nreg(216, 1)
-                acc_s = T.alloc_fragment([H, BI], f32)
-                acc_p = T.alloc_fragment([H, BI], bf16)
-                acc_o = T.alloc_fragment([H, DH], f32)
-                m_run = T.alloc_fragment([H], f32)  # max over all pairs so far (same in both consumers)
-                m_blk = T.alloc_fragment([H], f32)
-                m_new = T.alloc_fragment([H], f32)
-                m_safe = T.alloc_fragment([H], f32)
-                alpha = T.alloc_fragment([H], f32)
-                sum_i = T.alloc_fragment([H], f32)
-                sumexp = T.alloc_fragment([H], f32)  # this consumer's share of the row sum
+                r = consumer_fragments()
+                reset(r)
                 final = T.alloc_fragment([H], f32)
                 lse = T.alloc_fragment([H], f32)
-                T.fill(acc_o, 0)
-                T.fill(sumexp, 0)
-                T.fill(m_run, NEG_INF)
                 for p in T.serial(n_pairs):
                     # S is issued and waited for inside the iteration: a wgmma in flight across the
                     # loop's back edge makes ptxas serialize every wgmma of the kernel (C7515), and a
                     # second copy of the S issue before the loop makes it spill the hoisted descriptors.
                     T.barrier_wait(ready_l[0], p & 1)
-                    T.wgmma_gemm(q_l, kv_l[0], acc_s, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(q_l, kv_l[0], r.acc_s, transpose_B=True, clear_accum=True)
                     T.barrier_wait(ready_r[0], p & 1)
-                    T.wgmma_gemm(q_r, kv_r[0], acc_s, transpose_B=True)
+                    T.wgmma_gemm(q_r, kv_r[0], r.acc_s, transpose_B=True)
                     if d_tail:
-                        T.wgmma_gemm(q_t, k_t[0], acc_s, transpose_B=True)
+                        T.wgmma_gemm(q_t, k_t[0], r.acc_s, transpose_B=True)
                     T.wait_wgmma(0)
-                    for h, j in T.Parallel(H, BI):
-                        acc_s[h, j] = T.if_then_else(valid[0, j], acc_s[h, j] * scale2, NEG_INF)
-                    T.reduce_max(acc_s, m_blk, dim=1)
+                    block_max(r, valid, 0, scale2)
                     for h in T.Parallel(H):
-                        m_new[h] = T.max(m_run[h], m_blk[h])
-                        max_smem[0, h] = m_new[h]
+                        r.m_new[h] = T.max(r.m_run[h], r.m_blk[h])
+                        max_smem[0, h] = r.m_new[h]
                     T.named_barrier_arrive(BAR_MAX0, 256)
-                    for h in T.Parallel(H):
-                        # -inf until the row meets a valid entry: subtract 0 so exp2 gives 0, not NaN.
-                        m_safe[h] = T.if_then_else(m_new[h] == NEG_INF, 0.0, m_new[h])
-                        alpha[h] = T.exp2(m_run[h] - m_safe[h])
-                    for h, j in T.Parallel(H, BI):
-                        acc_s[h, j] = T.exp2(acc_s[h, j] - m_safe[h])
-                    T.reduce_sum(acc_s, sum_i, dim=1)
-                    for h in T.Parallel(H):
-                        sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
-                    for h, d in T.Parallel(H, DH):
-                        acc_o[h, d] *= alpha[h]
-                    T.copy(acc_s, acc_p)
-                    T.wgmma_gemm(acc_p, kv_l[0], acc_o)
+                    exponentiate_and_rescale(r)
+                    T.copy(r.acc_s, r.acc_p)
+                    T.wgmma_gemm(r.acc_p, kv_l[0], r.acc_o)
                     T.wait_wgmma(0)
                     T.barrier_arrive(free_l[0])
                     # Consumer 1 has folded its block into the max: rescale P_0 and O to it.
                     T.sync_threads(BAR_MAX1, 256)
                     for h in T.Parallel(H):
                         # alpha := factor from this block's max to the pair's max (0 if P_0 is all 0)
-                        alpha[h] = T.if_then_else(m_new[h] == NEG_INF, 0.0, T.exp2(m_new[h] - max_smem[1, h]))
-                        sumexp[h] *= alpha[h]
-                        m_run[h] = max_smem[1, h]
+                        r.alpha[h] = T.if_then_else(r.m_new[h] == NEG_INF, 0.0,
+                                                    T.exp2(r.m_new[h] - max_smem[1, h]))
+                        r.sumexp[h] *= r.alpha[h]
+                        r.m_run[h] = max_smem[1, h]
                     for h, j in T.Parallel(H, BI):
-                        acc_s[h, j] *= alpha[h]
-                    T.copy(acc_s, p_smem[0])
+                        r.acc_s[h, j] *= r.alpha[h]
+                    T.copy(r.acc_s, p_smem[0])
                     T.fence_proxy_async()
                     T.named_barrier_arrive(BAR_P0, 256)
                     for h, d in T.Parallel(H, DH):
-                        acc_o[h, d] *= alpha[h]
+                        r.acc_o[h, d] *= r.alpha[h]
                     T.sync_threads(BAR_P1, 256)
-                    T.wgmma_gemm(p_smem[1], kv_l[1], acc_o)
+                    T.wgmma_gemm(p_smem[1], kv_l[1], r.acc_o)
                     T.wait_wgmma(0)
                     T.barrier_arrive(free_l[1])
                 # Row sum = both consumers' shares (same max); consumer 0 writes lse.
                 T.sync_threads(BAR_SUM, 256)
                 for h in T.Parallel(H):
-                    sumexp[h] += sum_smem[h]
-                    lse[h] = T.if_then_else(sumexp[h] > 0, T.log2(sumexp[h]) + m_run[h], T.infinity(f32))
-                    final[h] = T.if_then_else(sumexp[h] > 0, 1.0 / sumexp[h], 0.0)
+                    r.sumexp[h] += sum_smem[h]
+                    lse[h] = T.if_then_else(r.sumexp[h] > 0, T.log2(r.sumexp[h]) + r.m_run[h],
+                                            T.infinity(f32))
+                    final[h] = T.if_then_else(r.sumexp[h] > 0, 1.0 / r.sumexp[h], 0.0)
                 if use_sink != 0:
                     for h in T.Parallel(H):
                         # Empty rows keep 0: their lse is +inf and a +inf sink would give inf - inf.
                         final[h] = T.if_then_else(
-                            sumexp[h] > 0, final[h] / (1.0 + T.exp2(Sink[h0 + h] * LOG2E - lse[h])), 0.0)
+                            r.sumexp[h] > 0, final[h] / (1.0 + T.exp2(Sink[h0 + h] * LOG2E - lse[h])), 0.0)
                 T.copy(final, final_smem)
                 T.copy(lse, Lse[s_i, h0:h0 + H])
                 T.named_barrier_arrive(BAR_FINAL, 256)
                 for h, d in T.Parallel(H, DH):
-                    acc_o[h, d] *= final[h]
-                T.copy(acc_o, Out[s_i, h0:h0 + H, 0:DH])
+                    r.acc_o[h, d] *= final[h]
+                T.copy(r.acc_o, Out[s_i, h0:h0 + H, 0:DH])
             elif tx < 256:
                 # Consumer 1: buffer 1 and O[:, 256:].
                 T.set_max_nreg(216, 1)
-                acc_s = T.alloc_fragment([H, BI], f32)
-                acc_p = T.alloc_fragment([H, BI], bf16)
-                acc_o = T.alloc_fragment([H, DH], f32)
-                m_run = T.alloc_fragment([H], f32)  # max over all pairs so far (same in both consumers)
-                m_blk = T.alloc_fragment([H], f32)
-                m_new = T.alloc_fragment([H], f32)
-                m_safe = T.alloc_fragment([H], f32)
-                alpha = T.alloc_fragment([H], f32)
-                sum_i = T.alloc_fragment([H], f32)
-                sumexp = T.alloc_fragment([H], f32)  # this consumer's share of the row sum
-                T.fill(acc_o, 0)
-                T.fill(sumexp, 0)
-                T.fill(m_run, NEG_INF)
+                r = consumer_fragments()
+                reset(r)
                 for p in T.serial(n_pairs):
                     T.barrier_wait(ready_r[1], p & 1)
-                    T.wgmma_gemm(q_r, kv_r[1], acc_s, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(q_r, kv_r[1], r.acc_s, transpose_B=True, clear_accum=True)
                     if d_tail:
-                        T.wgmma_gemm(q_t, k_t[1], acc_s, transpose_B=True)
+                        T.wgmma_gemm(q_t, k_t[1], r.acc_s, transpose_B=True)
                     T.barrier_wait(ready_l[1], p & 1)
-                    T.wgmma_gemm(q_l, kv_l[1], acc_s, transpose_B=True)
+                    T.wgmma_gemm(q_l, kv_l[1], r.acc_s, transpose_B=True)
                     T.wait_wgmma(0)
-                    for h, j in T.Parallel(H, BI):
-                        acc_s[h, j] = T.if_then_else(valid[1, j], acc_s[h, j] * scale2, NEG_INF)
-                    T.reduce_max(acc_s, m_blk, dim=1)
+                    block_max(r, valid, 1, scale2)
                     T.sync_threads(BAR_MAX0, 256)
                     for h in T.Parallel(H):
-                        m_new[h] = T.max(max_smem[0, h], m_blk[h])
-                        max_smem[1, h] = m_new[h]
+                        r.m_new[h] = T.max(max_smem[0, h], r.m_blk[h])
+                        max_smem[1, h] = r.m_new[h]
                     T.named_barrier_arrive(BAR_MAX1, 256)
-                    for h in T.Parallel(H):
-                        m_safe[h] = T.if_then_else(m_new[h] == NEG_INF, 0.0, m_new[h])
-                        alpha[h] = T.exp2(m_run[h] - m_safe[h])
-                        m_run[h] = m_new[h]
-                    for h, j in T.Parallel(H, BI):
-                        acc_s[h, j] = T.exp2(acc_s[h, j] - m_safe[h])
-                    T.reduce_sum(acc_s, sum_i, dim=1)
-                    for h in T.Parallel(H):
-                        sumexp[h] = sumexp[h] * alpha[h] + sum_i[h]
-                    for h, d in T.Parallel(H, DH):
-                        acc_o[h, d] *= alpha[h]
-                    T.copy(acc_s, acc_p)
-                    T.wgmma_gemm(acc_p, kv_r[1], acc_o)
-                    T.copy(acc_s, p_smem[1])
+                    exponentiate_and_rescale(r)
+                    T.copy(r.m_new, r.m_run)
+                    T.copy(r.acc_s, r.acc_p)
+                    T.wgmma_gemm(r.acc_p, kv_r[1], r.acc_o)
+                    T.copy(r.acc_s, p_smem[1])
                     T.fence_proxy_async()
                     T.named_barrier_arrive(BAR_P1, 256)
                     T.sync_threads(BAR_P0, 256)
-                    T.wgmma_gemm(p_smem[0], kv_r[0], acc_o)
+                    T.wgmma_gemm(p_smem[0], kv_r[0], r.acc_o)
                     T.wait_wgmma(1)
                     T.barrier_arrive(free_r[1])
                     T.wait_wgmma(0)
                     T.barrier_arrive(free_r[0])
                 for h in T.Parallel(H):
-                    sum_smem[h] = sumexp[h]
+                    sum_smem[h] = r.sumexp[h]
                 T.named_barrier_arrive(BAR_SUM, 256)
                 T.sync_threads(BAR_FINAL, 256)
                 for h, d in T.Parallel(H, DH):
-                    acc_o[h, d] *= final_smem[h]
-                T.copy(acc_o, Out[s_i, h0:h0 + H, DH:D_V])
+                    r.acc_o[h, d] *= final_smem[h]
+                T.copy(r.acc_o, Out[s_i, h0:h0 + H, DH:D_V])
             else:
                 # Producer: gathers Q, then per pair the rows of blocks 2p and 2p + 1 into buffers 0
                 # and 1, half by half in the order the consumers need them; an invalid entry (or a
