@@ -29,6 +29,9 @@ to buffer 1 (an odd last block is paired with an all-invalid one).
     each one's softmax overlaps the other's wgmmas. The row sum is split between the consumers and
     added at the end.
   A buffer half is released (`free`) by the last consumer that reads it.
+  Epilogue: each consumer writes its O half into Q's (then unused) shared buffer with stmatrix and
+  one thread stores it with TMA (row-contiguous bulk stores instead of 4-byte stores from the
+  fragments, which cost ~40% of the V4-Flash time).
   No wgmma is in flight across a loop back edge: ptxas then serializes every wgmma of the kernel
   (warning C7515; a CPU test runs ptxas on the generated PTX and fails on it or on spills).
 
@@ -239,7 +242,9 @@ def sparse_mla_program(h_q: int, d_qk: int):
                 T.named_barrier_arrive(BAR_FINAL, 256)
                 for h, d in T.Parallel(H, DH):
                     r.acc_o[h, d] *= final[h]
-                T.copy(r.acc_o, Out[s_i, h0:h0 + H, 0:DH])
+                # O leaves through Q's shared buffer (consumer 1's last S is done: BAR_SUM) by TMA.
+                T.copy(r.acc_o, q_l)
+                T.copy(q_l, Out[s_i, h0:h0 + H, 0:DH])
             elif tx < 256:
                 # Consumer 1: buffer 1 and O[:, 256:].
                 T.set_max_nreg(216, 1)
@@ -278,7 +283,8 @@ def sparse_mla_program(h_q: int, d_qk: int):
                 T.sync_threads(BAR_FINAL, 256)
                 for h, d in T.Parallel(H, DH):
                     r.acc_o[h, d] *= final_smem[h]
-                T.copy(r.acc_o, Out[s_i, h0:h0 + H, DH:D_V])
+                T.copy(r.acc_o, q_r)  # consumer 0's last S is done (BAR_FINAL)
+                T.copy(q_r, Out[s_i, h0:h0 + H, DH:D_V])
             else:
                 # Producer: gathers Q, then per pair the rows of blocks 2p and 2p + 1 into buffers 0
                 # and 1, half by half in the order the consumers need them; an invalid entry (or a
