@@ -13,10 +13,13 @@ Numerics: bf16 operands, fp32 accumulators (QK^T and PV on wgmma), fp32 online s
 (scores scaled by sm_scale * log2(e)); P is rounded to bf16 for the PV product (consumer 0's P
 once for its own P V and once, rescaled to the pair's max, for the other consumer's).
 
-Schedule (one CTA = one query row x 64 heads, 384 threads, hand-written warp specialization).
+Schedule (persistent: a grid of min(#items, #SMs) CTAs of 384 threads, hand-written warp
+specialization; an item is one query row x 64 heads and CTA b serves items b, b + grid, ...).
 The top-k list is walked in PAIRS of 64-entry blocks: block 2p goes to shared buffer 0, block 2p + 1
 to buffer 1 (an odd last block is paired with an all-invalid one).
-  producer warpgroup: first gathers Q with cp.async (covered by the first arrivals); per pair loads
+  producer warpgroup: per item gathers Q with cp.async (covered by the item's first arrivals) as soon
+    as both consumers' last S of the previous item is done (`q_free`), so Q and the next item's first
+    gathers overlap the previous item's last P V and epilogue; per pair loads
     the 128 indices, tests validity, and gathers the rows with predicated 16-byte cp.async (an
     invalid entry zero-fills its row, source size 0, so kv is never read) half by half (columns
     [0, 256) and [256, d_qk)) in the order the consumers need them, each half signalling its own
@@ -29,9 +32,11 @@ to buffer 1 (an odd last block is paired with an all-invalid one).
     each one's softmax overlaps the other's wgmmas. The row sum is split between the consumers and
     added at the end.
   A buffer half is released (`free`) by the last consumer that reads it.
-  Epilogue: each consumer writes its O half into Q's (then unused) shared buffer with stmatrix and
-  one thread stores it with TMA (row-contiguous bulk stores instead of 4-byte stores from the
-  fragments, which cost ~40% of the V4-Flash time).
+  Epilogue: each consumer writes its O half into buffer 1's half it was the last reader of (stmatrix)
+    and one thread stores it with TMA (row-contiguous bulk stores; 4-byte stores from the fragments
+    cost ~40% of the V4-Flash time); that half is released once the store has read it, and the
+    producer fills buffer 0 first in the next item while the store drains; the store's global
+    writes stay in flight while the CTA starts its next item.
   No wgmma is in flight across a loop back edge: ptxas then serializes every wgmma of the kernel
   (warning C7515; a CPU test runs ptxas on the generated PTX and fails on it or on spills).
 
@@ -67,6 +72,12 @@ PASS_CONFIGS = {
 
 # Named barriers (bar.arrive by one consumer, bar.sync by the other; 256 threads). TileLang's own
 # passes use the low ids, so these start at 10.
+# Order in which the producer fills the (buffer, half) slots of a pair: the order the consumers read
+# them, except for the first pair of a CTA's second and later items, where buffer 1 is freed last
+# (it carried the previous item's O out) and buffer 0 goes first.
+GATHER_ORDER = ((0, 0), (1, 1), (0, 1), (1, 0))
+GATHER_ORDER_NEXT_ITEM = ((0, 0), (0, 1), (1, 1), (1, 0))
+
 BAR_MAX0, BAR_MAX1, BAR_P0, BAR_P1, BAR_SUM, BAR_FINAL = 10, 11, 12, 13, 14, 15
 
 
@@ -130,6 +141,37 @@ def sparse_mla_program(h_q: int, d_qk: int):
         for h, d in T.Parallel(H, DH):
             r.acc_o[h, d] *= r.alpha[h]
 
+    rows_per_pass = 16  # 8 threads per kv row
+    passes = BI // rows_per_pass
+
+    @T.macro
+    def gather_pair(g, order, phase, t, rows):
+        """Producer thread t's share of one pair: per (buffer, half) in `order`, wait until the slot is
+        free, then predicated 16-byte cp.async of kv rows `rows[b, :]` (-1: invalid, zero-filled and not
+        read); the slot's ready barrier completes when this thread's copies (and earlier ones) land."""
+        for b, half in order:
+            first_half_of_buffer = (b, half) in ((0, 0), (1, 1))
+            T.barrier_wait(g.free_r[b] if half else g.free_l[b], phase)
+            for r in T.unroll(passes):
+                j = r * rows_per_pass + t // 8
+                ok = rows[b, r] >= 0
+                src = T.max(rows[b, r], 0)  # any in-bounds address; not read when not ok
+                if first_half_of_buffer:  # the buffer's previous readers are done with valid[b]
+                    if t % 8 == 0:
+                        g.valid[b, j] = ok
+                for c in chunk_groups:
+                    col = c * 64 + t % 8 * 8
+                    if half == 0 and c * 64 < DH:
+                        T.ptx_cp_async(T.access_ptr(g.kv_l[b][j, col], "w", 8),
+                                       T.access_ptr(g.KV[src, col], "r", 8), 8, predicate=ok)
+                    elif half == 1 and DH <= c * 64 < D_V:
+                        T.ptx_cp_async(T.access_ptr(g.kv_r[b][j, col - DH], "w", 8),
+                                       T.access_ptr(g.KV[src, col], "r", 8), 8, predicate=ok)
+                    elif half == 1 and c * 64 >= D_V:
+                        T.ptx_cp_async(T.access_ptr(g.k_t[b][j, col - D_V], "w", 8),
+                                       T.access_ptr(g.KV[src, col], "r", 8), 8, predicate=ok)
+            T.cp_async_barrier_noinc(g.ready_r[b] if half else g.ready_l[b])
+
     @T.prim_func
     def kernel(
         Q: T.Tensor([s_q, h_q, d_qk], bf16),
@@ -142,8 +184,9 @@ def sparse_mla_program(h_q: int, d_qk: int):
         scale2: T.float32,  # sm_scale * log2(e)
         use_topk_length: T.int32,
         use_sink: T.int32,
+        n_ctas: T.int32,  # grid size (<= s_q * head_tiles); CTA b serves items b, b + n_ctas, ...
     ):
-        with T.Kernel(s_q * head_tiles, threads=384) as bx:
+        with T.Kernel(n_ctas, threads=384) as bx:
             q_l = T.alloc_shared([H, DH], bf16)
             q_r = T.alloc_shared([H, DH], bf16)
             # Buffer b holds block 2p + b of pair p: columns [0, 256) in kv_l[b], [256, 512) in kv_r[b],
@@ -172,9 +215,9 @@ def sparse_mla_program(h_q: int, d_qk: int):
             ready_r = T.alloc_barrier([128, 128])
             free_l = T.alloc_barrier([128, 128])
             free_r = T.alloc_barrier([128, 128])
+            q_free = T.alloc_barrier(256)  # both consumers' last S of an item is done: Q may be replaced
 
-            s_i = bx // head_tiles
-            h0 = (bx % head_tiles) * H
+            n_local = T.ceildiv(s_q * head_tiles - bx, n_ctas)  # items (query row, head tile) of this CTA
             n_pairs = T.ceildiv(topk, 2 * BI)
             tx = T.get_thread_binding()
 
@@ -182,109 +225,126 @@ def sparse_mla_program(h_q: int, d_qk: int):
                 # Consumer 0: buffer 0 and O[:, :256].
                 T.set_max_nreg(216, 1)
                 r = consumer_fragments()
-                reset(r)
                 final = T.alloc_fragment([H], f32)
                 lse = T.alloc_fragment([H], f32)
-                for p in T.serial(n_pairs):
-                    # S is issued and waited for inside the iteration: a wgmma in flight across the
-                    # loop's back edge makes ptxas serialize every wgmma of the kernel (C7515), and a
-                    # second copy of the S issue before the loop makes it spill the hoisted descriptors.
-                    T.barrier_wait(ready_l[0], p & 1)
-                    T.wgmma_gemm(q_l, kv_l[0], r.acc_s, transpose_B=True, clear_accum=True)
-                    T.barrier_wait(ready_r[0], p & 1)
-                    T.wgmma_gemm(q_r, kv_r[0], r.acc_s, transpose_B=True)
-                    if d_tail:
-                        T.wgmma_gemm(q_t, k_t[0], r.acc_s, transpose_B=True)
-                    T.wait_wgmma(0)
-                    block_max(r, valid, 0, scale2)
+                for k in T.serial(n_local):
+                    s_i = (bx + k * n_ctas) // head_tiles
+                    h0 = (bx + k * n_ctas) % head_tiles * H
+                    reset(r)
+                    for p in T.serial(n_pairs):
+                        g = k * n_pairs + p  # pair count of this CTA: the barriers' phase
+                        # S is issued and waited for inside the iteration: a wgmma in flight across the
+                        # loop's back edge makes ptxas serialize every wgmma of the kernel (C7515), and a
+                        # second copy of the S issue before the loop makes it spill the hoisted descriptors.
+                        T.barrier_wait(ready_l[0], g & 1)
+                        T.wgmma_gemm(q_l, kv_l[0], r.acc_s, transpose_B=True, clear_accum=True)
+                        T.barrier_wait(ready_r[0], g & 1)
+                        T.wgmma_gemm(q_r, kv_r[0], r.acc_s, transpose_B=True)
+                        if d_tail:
+                            T.wgmma_gemm(q_t, k_t[0], r.acc_s, transpose_B=True)
+                        T.wait_wgmma(0)
+                        if p == n_pairs - 1:
+                            T.barrier_arrive(q_free)
+                        block_max(r, valid, 0, scale2)
+                        for h in T.Parallel(H):
+                            r.m_new[h] = T.max(r.m_run[h], r.m_blk[h])
+                            max_smem[0, h] = r.m_new[h]
+                        T.named_barrier_arrive(BAR_MAX0, 256)
+                        exponentiate_and_rescale(r)
+                        T.copy(r.acc_s, r.acc_p)
+                        T.wgmma_gemm(r.acc_p, kv_l[0], r.acc_o)
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(free_l[0])
+                        # Consumer 1 has folded its block into the max: rescale P_0 and O to it.
+                        T.sync_threads(BAR_MAX1, 256)
+                        for h in T.Parallel(H):
+                            # alpha := factor from this block's max to the pair's max (0 if P_0 is all 0)
+                            r.alpha[h] = T.if_then_else(r.m_new[h] == NEG_INF, 0.0,
+                                                        T.exp2(r.m_new[h] - max_smem[1, h]))
+                            r.sumexp[h] *= r.alpha[h]
+                            r.m_run[h] = max_smem[1, h]
+                        for h, j in T.Parallel(H, BI):
+                            r.acc_s[h, j] *= r.alpha[h]
+                        T.copy(r.acc_s, p_smem[0])
+                        T.fence_proxy_async()
+                        T.named_barrier_arrive(BAR_P0, 256)
+                        for h, d in T.Parallel(H, DH):
+                            r.acc_o[h, d] *= r.alpha[h]
+                        T.sync_threads(BAR_P1, 256)
+                        T.wgmma_gemm(p_smem[1], kv_l[1], r.acc_o)
+                        T.wait_wgmma(0)
+                        if p < n_pairs - 1:  # the last pair's buffer 1 carries O out first
+                            T.barrier_arrive(free_l[1])
+                    # Row sum = both consumers' shares (same max); consumer 0 writes lse.
+                    T.sync_threads(BAR_SUM, 256)
                     for h in T.Parallel(H):
-                        r.m_new[h] = T.max(r.m_run[h], r.m_blk[h])
-                        max_smem[0, h] = r.m_new[h]
-                    T.named_barrier_arrive(BAR_MAX0, 256)
-                    exponentiate_and_rescale(r)
-                    T.copy(r.acc_s, r.acc_p)
-                    T.wgmma_gemm(r.acc_p, kv_l[0], r.acc_o)
-                    T.wait_wgmma(0)
-                    T.barrier_arrive(free_l[0])
-                    # Consumer 1 has folded its block into the max: rescale P_0 and O to it.
-                    T.sync_threads(BAR_MAX1, 256)
-                    for h in T.Parallel(H):
-                        # alpha := factor from this block's max to the pair's max (0 if P_0 is all 0)
-                        r.alpha[h] = T.if_then_else(r.m_new[h] == NEG_INF, 0.0,
-                                                    T.exp2(r.m_new[h] - max_smem[1, h]))
-                        r.sumexp[h] *= r.alpha[h]
-                        r.m_run[h] = max_smem[1, h]
-                    for h, j in T.Parallel(H, BI):
-                        r.acc_s[h, j] *= r.alpha[h]
-                    T.copy(r.acc_s, p_smem[0])
-                    T.fence_proxy_async()
-                    T.named_barrier_arrive(BAR_P0, 256)
+                        r.sumexp[h] += sum_smem[h]
+                        lse[h] = T.if_then_else(r.sumexp[h] > 0, T.log2(r.sumexp[h]) + r.m_run[h],
+                                                T.infinity(f32))
+                        final[h] = T.if_then_else(r.sumexp[h] > 0, 1.0 / r.sumexp[h], 0.0)
+                    if use_sink != 0:
+                        for h in T.Parallel(H):
+                            # Empty rows keep 0: their lse is +inf and a +inf sink would give inf - inf.
+                            final[h] = T.if_then_else(
+                                r.sumexp[h] > 0, final[h] / (1.0 + T.exp2(Sink[h0 + h] * LOG2E - lse[h])), 0.0)
+                    T.copy(final, final_smem)
+                    T.copy(lse, Lse[s_i, h0:h0 + H])
+                    T.named_barrier_arrive(BAR_FINAL, 256)
                     for h, d in T.Parallel(H, DH):
-                        r.acc_o[h, d] *= r.alpha[h]
-                    T.sync_threads(BAR_P1, 256)
-                    T.wgmma_gemm(p_smem[1], kv_l[1], r.acc_o)
-                    T.wait_wgmma(0)
+                        r.acc_o[h, d] *= final[h]
+                    # O leaves through buffer 1's left half (this consumer was its last reader) by TMA;
+                    # the producer refills it once the store has read it.
+                    T.copy(r.acc_o, kv_l[1])
+                    T.copy(kv_l[1], Out[s_i, h0:h0 + H, 0:DH])
                     T.barrier_arrive(free_l[1])
-                # Row sum = both consumers' shares (same max); consumer 0 writes lse.
-                T.sync_threads(BAR_SUM, 256)
-                for h in T.Parallel(H):
-                    r.sumexp[h] += sum_smem[h]
-                    lse[h] = T.if_then_else(r.sumexp[h] > 0, T.log2(r.sumexp[h]) + r.m_run[h],
-                                            T.infinity(f32))
-                    final[h] = T.if_then_else(r.sumexp[h] > 0, 1.0 / r.sumexp[h], 0.0)
-                if use_sink != 0:
-                    for h in T.Parallel(H):
-                        # Empty rows keep 0: their lse is +inf and a +inf sink would give inf - inf.
-                        final[h] = T.if_then_else(
-                            r.sumexp[h] > 0, final[h] / (1.0 + T.exp2(Sink[h0 + h] * LOG2E - lse[h])), 0.0)
-                T.copy(final, final_smem)
-                T.copy(lse, Lse[s_i, h0:h0 + H])
-                T.named_barrier_arrive(BAR_FINAL, 256)
-                for h, d in T.Parallel(H, DH):
-                    r.acc_o[h, d] *= final[h]
-                # O leaves through Q's shared buffer (consumer 1's last S is done: BAR_SUM) by TMA.
-                T.copy(r.acc_o, q_l)
-                T.copy(q_l, Out[s_i, h0:h0 + H, 0:DH])
             elif tx < 256:
                 # Consumer 1: buffer 1 and O[:, 256:].
                 T.set_max_nreg(216, 1)
                 r = consumer_fragments()
-                reset(r)
-                for p in T.serial(n_pairs):
-                    T.barrier_wait(ready_r[1], p & 1)
-                    T.wgmma_gemm(q_r, kv_r[1], r.acc_s, transpose_B=True, clear_accum=True)
-                    if d_tail:
-                        T.wgmma_gemm(q_t, k_t[1], r.acc_s, transpose_B=True)
-                    T.barrier_wait(ready_l[1], p & 1)
-                    T.wgmma_gemm(q_l, kv_l[1], r.acc_s, transpose_B=True)
-                    T.wait_wgmma(0)
-                    block_max(r, valid, 1, scale2)
-                    T.sync_threads(BAR_MAX0, 256)
+                for k in T.serial(n_local):
+                    s_i = (bx + k * n_ctas) // head_tiles
+                    h0 = (bx + k * n_ctas) % head_tiles * H
+                    reset(r)
+                    for p in T.serial(n_pairs):
+                        g = k * n_pairs + p
+                        T.barrier_wait(ready_r[1], g & 1)
+                        T.wgmma_gemm(q_r, kv_r[1], r.acc_s, transpose_B=True, clear_accum=True)
+                        if d_tail:
+                            T.wgmma_gemm(q_t, k_t[1], r.acc_s, transpose_B=True)
+                        T.barrier_wait(ready_l[1], g & 1)
+                        T.wgmma_gemm(q_l, kv_l[1], r.acc_s, transpose_B=True)
+                        T.wait_wgmma(0)
+                        if p == n_pairs - 1:
+                            T.barrier_arrive(q_free)
+                        block_max(r, valid, 1, scale2)
+                        T.sync_threads(BAR_MAX0, 256)
+                        for h in T.Parallel(H):
+                            r.m_new[h] = T.max(max_smem[0, h], r.m_blk[h])
+                            max_smem[1, h] = r.m_new[h]
+                        T.named_barrier_arrive(BAR_MAX1, 256)
+                        exponentiate_and_rescale(r)
+                        T.copy(r.m_new, r.m_run)
+                        T.copy(r.acc_s, r.acc_p)
+                        T.wgmma_gemm(r.acc_p, kv_r[1], r.acc_o)
+                        T.copy(r.acc_s, p_smem[1])
+                        T.fence_proxy_async()
+                        T.named_barrier_arrive(BAR_P1, 256)
+                        T.sync_threads(BAR_P0, 256)
+                        T.wgmma_gemm(p_smem[0], kv_r[0], r.acc_o)
+                        T.wait_wgmma(1)
+                        if p < n_pairs - 1:  # the last pair's buffer 1 carries O out first
+                            T.barrier_arrive(free_r[1])
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(free_r[0])
                     for h in T.Parallel(H):
-                        r.m_new[h] = T.max(max_smem[0, h], r.m_blk[h])
-                        max_smem[1, h] = r.m_new[h]
-                    T.named_barrier_arrive(BAR_MAX1, 256)
-                    exponentiate_and_rescale(r)
-                    T.copy(r.m_new, r.m_run)
-                    T.copy(r.acc_s, r.acc_p)
-                    T.wgmma_gemm(r.acc_p, kv_r[1], r.acc_o)
-                    T.copy(r.acc_s, p_smem[1])
-                    T.fence_proxy_async()
-                    T.named_barrier_arrive(BAR_P1, 256)
-                    T.sync_threads(BAR_P0, 256)
-                    T.wgmma_gemm(p_smem[0], kv_r[0], r.acc_o)
-                    T.wait_wgmma(1)
+                        sum_smem[h] = r.sumexp[h]
+                    T.named_barrier_arrive(BAR_SUM, 256)
+                    T.sync_threads(BAR_FINAL, 256)
+                    for h, d in T.Parallel(H, DH):
+                        r.acc_o[h, d] *= final_smem[h]
+                    T.copy(r.acc_o, kv_r[1])  # this consumer was its last reader
+                    T.copy(kv_r[1], Out[s_i, h0:h0 + H, DH:D_V])
                     T.barrier_arrive(free_r[1])
-                    T.wait_wgmma(0)
-                    T.barrier_arrive(free_r[0])
-                for h in T.Parallel(H):
-                    sum_smem[h] = r.sumexp[h]
-                T.named_barrier_arrive(BAR_SUM, 256)
-                T.sync_threads(BAR_FINAL, 256)
-                for h, d in T.Parallel(H, DH):
-                    r.acc_o[h, d] *= final_smem[h]
-                T.copy(r.acc_o, q_r)  # consumer 0's last S is done (BAR_FINAL)
-                T.copy(q_r, Out[s_i, h0:h0 + H, DH:D_V])
             else:
                 # Producer: gathers Q, then per pair the rows of blocks 2p and 2p + 1 into buffers 0
                 # and 1, half by half in the order the consumers need them; an invalid entry (or a
@@ -292,55 +352,43 @@ def sparse_mla_program(h_q: int, d_qk: int):
                 # predicated cp.async (source size 0) and never reads kv.
                 T.set_max_nreg(72, 0)
                 t = tx - 256
+                slots = types.SimpleNamespace(free_l=free_l, free_r=free_r, ready_l=ready_l, ready_r=ready_r,
+                                              valid=valid, kv_l=kv_l, kv_r=kv_r, k_t=k_t if d_tail else None, KV=KV)
                 limit = T.alloc_var(i32)
-                limit = T.if_then_else(use_topk_length != 0, T.min(topk, TopkLength[s_i]), topk)
-                rows_per_pass = 16  # 8 threads per kv row
-                passes = BI // rows_per_pass
                 rows = T.alloc_local([2, passes], i32)  # kv row per (buffer, pass), -1 if invalid
-                for r in T.unroll(passes):
-                    j = r * rows_per_pass + t // 8
-                    for c in chunk_groups:
-                        col = c * 64 + t % 8 * 8
-                        if c * 64 < DH:
-                            T.ptx_cp_async(T.access_ptr(q_l[j, col], "w", 8),
-                                           T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
-                        elif c * 64 < D_V:
-                            T.ptx_cp_async(T.access_ptr(q_r[j, col - DH], "w", 8),
-                                           T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
+                for k in T.serial(n_local):
+                    s_i = (bx + k * n_ctas) // head_tiles
+                    h0 = (bx + k * n_ctas) % head_tiles * H
+                    limit = T.if_then_else(use_topk_length != 0, T.min(topk, TopkLength[s_i]), topk)
+                    if k > 0:
+                        # The next item's Q (and then its first gathers) overlaps this item's last
+                        # P V and epilogue.
+                        T.barrier_wait(q_free, (k - 1) & 1)
+                    for r in T.unroll(passes):
+                        j = r * rows_per_pass + t // 8
+                        for c in chunk_groups:
+                            col = c * 64 + t % 8 * 8
+                            if c * 64 < DH:
+                                T.ptx_cp_async(T.access_ptr(q_l[j, col], "w", 8),
+                                               T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
+                            elif c * 64 < D_V:
+                                T.ptx_cp_async(T.access_ptr(q_r[j, col - DH], "w", 8),
+                                               T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
+                            else:
+                                T.ptx_cp_async(T.access_ptr(q_t[j, col - D_V], "w", 8),
+                                               T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
+                    for p in T.serial(n_pairs):
+                        phase = ((k * n_pairs + p) & 1) ^ 1
+                        # Index loads are issued before waiting for the slots, hiding their latency.
+                        for b in bufs:
+                            for r in T.unroll(passes):
+                                pos = (2 * p + b) * BI + r * rows_per_pass + t // 8
+                                rows[b, r] = T.if_then_else(pos < limit, Indices[s_i, T.min(pos, topk - 1)], -1)
+                                rows[b, r] = T.if_then_else((rows[b, r] >= 0) & (rows[b, r] < s_kv), rows[b, r], -1)
+                        if (k > 0) & (p == 0):
+                            gather_pair(slots, GATHER_ORDER_NEXT_ITEM, phase, t, rows)
                         else:
-                            T.ptx_cp_async(T.access_ptr(q_t[j, col - D_V], "w", 8),
-                                           T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
-                for p in T.serial(n_pairs):
-                    phase = (p & 1) ^ 1
-                    # Index loads are issued before waiting for the slots, hiding their latency.
-                    for b in bufs:
-                        for r in T.unroll(passes):
-                            pos = (2 * p + b) * BI + r * rows_per_pass + t // 8
-                            rows[b, r] = T.if_then_else(pos < limit, Indices[s_i, T.min(pos, topk - 1)], -1)
-                            rows[b, r] = T.if_then_else((rows[b, r] >= 0) & (rows[b, r] < s_kv), rows[b, r], -1)
-                    # (buffer, half) in the order the consumers wait for them
-                    for b, half in ((0, 0), (1, 1), (0, 1), (1, 0)):
-                        first_half_of_buffer = (b, half) in ((0, 0), (1, 1))
-                        T.barrier_wait(free_r[b] if half else free_l[b], phase)
-                        for r in T.unroll(passes):
-                            j = r * rows_per_pass + t // 8
-                            ok = rows[b, r] >= 0
-                            src = T.max(rows[b, r], 0)  # any in-bounds address; not read when not ok
-                            if first_half_of_buffer:  # the buffer's previous readers are done with valid[b]
-                                if t % 8 == 0:
-                                    valid[b, j] = ok
-                            for c in chunk_groups:
-                                col = c * 64 + t % 8 * 8
-                                if half == 0 and c * 64 < DH:
-                                    T.ptx_cp_async(T.access_ptr(kv_l[b][j, col], "w", 8),
-                                                   T.access_ptr(KV[src, col], "r", 8), 8, predicate=ok)
-                                elif half == 1 and DH <= c * 64 < D_V:
-                                    T.ptx_cp_async(T.access_ptr(kv_r[b][j, col - DH], "w", 8),
-                                                   T.access_ptr(KV[src, col], "r", 8), 8, predicate=ok)
-                                elif half == 1 and c * 64 >= D_V:
-                                    T.ptx_cp_async(T.access_ptr(k_t[b][j, col - D_V], "w", 8),
-                                                   T.access_ptr(KV[src, col], "r", 8), 8, predicate=ok)
-                        T.cp_async_barrier_noinc(ready_r[b] if half else ready_l[b])
+                            gather_pair(slots, GATHER_ORDER, phase, t, rows)
 
     return kernel
 
@@ -355,6 +403,11 @@ def compiled_kernel(h_q: int, d_qk: int):
     makes later processes skip nvcc."""
     return tilelang.compile(sparse_mla_program(h_q, d_qk),
                             target=SM90_TARGET, pass_configs=PASS_CONFIGS)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -389,6 +442,7 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
     else:
         sink = _dense(attn_sink)
     kernel = compiled_kernel(shape.h_q, shape.d_qk)
+    n_ctas = min(shape.s_q * (shape.h_q // HEADS_PER_CTA), _sm_count(device))
     kernel(_dense(q), _dense(kv[:, 0, :]), _dense(indices), lengths, sink, out, lse,
-           float(sm_scale) * LOG2E, int(topk_length is not None), int(attn_sink is not None))
+           float(sm_scale) * LOG2E, int(topk_length is not None), int(attn_sink is not None), n_ctas)
     return out, lse
