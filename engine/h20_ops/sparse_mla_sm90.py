@@ -81,6 +81,7 @@ GATHER_ORDER = ((0, 0), (1, 1), (0, 1), (1, 0))
 GATHER_ORDER_NEXT_ITEM = ((0, 0), (0, 1), (1, 1), (1, 0))
 
 BAR_MAX0, BAR_MAX1, BAR_P0, BAR_P1, BAR_SUM, BAR_FINAL = 10, 11, 12, 13, 14, 15
+BAR_MAX, BAR_P = (BAR_MAX0, BAR_MAX1), (BAR_P0, BAR_P1)  # indexed by the arriving consumer
 
 
 def sparse_mla_program(h_q: int, d_qk: int):
@@ -142,6 +143,38 @@ def sparse_mla_program(h_q: int, d_qk: int):
             r.sumexp[h] = r.sumexp[h] * r.alpha[h] + r.sum_i[h]
         for h, d in T.Parallel(H, DH):
             r.acc_o[h, d] *= r.alpha[h]
+
+    @T.macro
+    def softmax_and_pv(r, c, bufs_of_c, scale2, not_last_pair):
+        """Consumer c's part of a pair once S_c is in r.acc_s: the pair's row max (each consumer
+        publishes its block's max and reads the other's), P_c at that max, O_c += P_c V_c (P from
+        registers) + P_(1-c) V_(1-c) (the other consumer's P through shared memory), with V from this
+        consumer's column half of each buffer (bufs_of_c.kv[b]), each released once read
+        (bufs_of_c.free[b]), except buffer 1's in the last pair: it carries O out (epilogue)."""
+        valid, max_smem, p_smem = bufs_of_c.valid, bufs_of_c.max_smem, bufs_of_c.p_smem
+        block_max(r, valid, c, scale2)
+        for h in T.Parallel(H):
+            max_smem[c, h] = r.m_blk[h]
+        T.named_barrier_arrive(BAR_MAX[c], 256)
+        T.sync_threads(BAR_MAX[1 - c], 256)
+        for h in T.Parallel(H):
+            r.m_new[h] = T.max(r.m_run[h], T.max(r.m_blk[h], max_smem[1 - c, h]))
+        exponentiate_and_rescale(r)
+        T.copy(r.m_new, r.m_run)
+        T.copy(r.acc_s, r.acc_p)
+        T.wgmma_gemm(r.acc_p, bufs_of_c.kv[c], r.acc_o)
+        T.copy(r.acc_s, p_smem[c])
+        T.fence_proxy_async()
+        T.named_barrier_arrive(BAR_P[c], 256)
+        T.sync_threads(BAR_P[1 - c], 256)
+        T.wgmma_gemm(p_smem[1 - c], bufs_of_c.kv[1 - c], r.acc_o)
+        for pending, b in ((1, c), (0, 1 - c)):  # wgmma groups complete in issue order
+            T.wait_wgmma(pending)
+            if b == 1:
+                if not_last_pair:
+                    T.barrier_arrive(bufs_of_c.free[b])
+            else:
+                T.barrier_arrive(bufs_of_c.free[b])
 
     rows_per_pass = 16  # 8 threads per kv row
     passes = BI // rows_per_pass
@@ -218,6 +251,10 @@ def sparse_mla_program(h_q: int, d_qk: int):
             free_l = T.alloc_barrier([128, 128])
             free_r = T.alloc_barrier([128, 128])
             q_free = T.alloc_barrier(256)  # both consumers' last S of an item is done: Q may be replaced
+            # What each consumer's P V reads and releases: consumer 0 the left column half of both
+            # buffers, consumer 1 the right half.
+            left = types.SimpleNamespace(kv=kv_l, free=free_l, valid=valid, max_smem=max_smem, p_smem=p_smem)
+            right = types.SimpleNamespace(kv=kv_r, free=free_r, valid=valid, max_smem=max_smem, p_smem=p_smem)
 
             n_local = T.ceildiv(s_q * head_tiles - bx, n_ctas)  # items (query row, head tile) of this CTA
             n_pairs = T.ceildiv(topk, 2 * BI)
@@ -247,27 +284,7 @@ def sparse_mla_program(h_q: int, d_qk: int):
                         T.wait_wgmma(0)
                         if p == n_pairs - 1:
                             T.barrier_arrive(q_free)
-                        block_max(r, valid, 0, scale2)
-                        for h in T.Parallel(H):
-                            max_smem[0, h] = r.m_blk[h]
-                        T.named_barrier_arrive(BAR_MAX0, 256)
-                        T.sync_threads(BAR_MAX1, 256)
-                        for h in T.Parallel(H):
-                            r.m_new[h] = T.max(r.m_run[h], T.max(r.m_blk[h], max_smem[1, h]))
-                        exponentiate_and_rescale(r)
-                        T.copy(r.m_new, r.m_run)
-                        T.copy(r.acc_s, r.acc_p)
-                        T.wgmma_gemm(r.acc_p, kv_l[0], r.acc_o)
-                        T.copy(r.acc_s, p_smem[0])
-                        T.fence_proxy_async()
-                        T.named_barrier_arrive(BAR_P0, 256)
-                        T.sync_threads(BAR_P1, 256)
-                        T.wgmma_gemm(p_smem[1], kv_l[1], r.acc_o)
-                        T.wait_wgmma(1)
-                        T.barrier_arrive(free_l[0])
-                        T.wait_wgmma(0)
-                        if p < n_pairs - 1:  # the last pair's buffer 1 carries O out first
-                            T.barrier_arrive(free_l[1])
+                        softmax_and_pv(r, 0, left, scale2, p < n_pairs - 1)
                     # Row sum = both consumers' shares (same max); consumer 0 writes lse.
                     T.sync_threads(BAR_SUM, 256)
                     for h in T.Parallel(H):
@@ -309,27 +326,7 @@ def sparse_mla_program(h_q: int, d_qk: int):
                         T.wait_wgmma(0)
                         if p == n_pairs - 1:
                             T.barrier_arrive(q_free)
-                        block_max(r, valid, 1, scale2)
-                        for h in T.Parallel(H):
-                            max_smem[1, h] = r.m_blk[h]
-                        T.named_barrier_arrive(BAR_MAX1, 256)
-                        T.sync_threads(BAR_MAX0, 256)
-                        for h in T.Parallel(H):
-                            r.m_new[h] = T.max(r.m_run[h], T.max(r.m_blk[h], max_smem[0, h]))
-                        exponentiate_and_rescale(r)
-                        T.copy(r.m_new, r.m_run)
-                        T.copy(r.acc_s, r.acc_p)
-                        T.wgmma_gemm(r.acc_p, kv_r[1], r.acc_o)
-                        T.copy(r.acc_s, p_smem[1])
-                        T.fence_proxy_async()
-                        T.named_barrier_arrive(BAR_P1, 256)
-                        T.sync_threads(BAR_P0, 256)
-                        T.wgmma_gemm(p_smem[0], kv_r[0], r.acc_o)
-                        T.wait_wgmma(1)
-                        if p < n_pairs - 1:  # the last pair's buffer 1 carries O out first
-                            T.barrier_arrive(free_r[1])
-                        T.wait_wgmma(0)
-                        T.barrier_arrive(free_r[0])
+                        softmax_and_pv(r, 1, right, scale2, p < n_pairs - 1)
                     for h in T.Parallel(H):
                         sum_smem[h] = r.sumexp[h]
                     T.named_barrier_arrive(BAR_SUM, 256)
