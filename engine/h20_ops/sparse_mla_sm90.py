@@ -31,8 +31,7 @@ to buffer 1 (an odd last block is paired with an all-invalid one).
     through shared memory). Both consumers do the same work, so neither waits long for the other.
     (FlashMLA lets consumer 0 run ahead on its own block's max and rescale its P and O to the pair's
     max afterwards; here the symmetric exchange measured 3-7% faster on the model shapes,
-    docs/tilelang.md.) The row sum
-    is split between the consumers and added at the end.
+    docs/tilelang.md.) The row sum is split between the consumers and added at the end.
   A buffer half is released (`free`) by the last consumer that reads it.
   Epilogue: each consumer writes its O half into buffer 1's half it was the last reader of (stmatrix)
     and one thread stores it with TMA (row-contiguous bulk stores; 4-byte stores from the fragments
@@ -72,14 +71,14 @@ PASS_CONFIGS = {
 }
 
 
-# Named barriers (bar.arrive by one consumer, bar.sync by the other; 256 threads). TileLang's own
-# passes use the low ids, so these start at 10.
 # Order in which the producer fills the (buffer, half) slots of a pair: the order the consumers read
 # them, except for the first pair of a CTA's second and later items, where buffer 1 is freed last
 # (it carried the previous item's O out) and buffer 0 goes first.
 GATHER_ORDER = ((0, 0), (1, 1), (0, 1), (1, 0))
 GATHER_ORDER_NEXT_ITEM = ((0, 0), (0, 1), (1, 1), (1, 0))
 
+# Named barriers (bar.arrive by one consumer, bar.sync by the other; 256 threads). TileLang's own
+# passes use the low ids, so these start at 10.
 BAR_MAX0, BAR_MAX1, BAR_P0, BAR_P1, BAR_SUM, BAR_FINAL = 10, 11, 12, 13, 14, 15
 BAR_MAX, BAR_P = (BAR_MAX0, BAR_MAX1), (BAR_P0, BAR_P1)  # indexed by the arriving consumer
 
