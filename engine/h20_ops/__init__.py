@@ -1,5 +1,6 @@
 """Hopper (SM90) attention ops: sparse MLA kernels, their dispatcher and the engine's entry points."""
 
+import functools
 import os
 
 import torch
@@ -9,3 +10,13 @@ import torch
 # Triton's CPU interpreter (slow, exact enough for tests and the CPU end-to-end report).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+DEFAULT_SM_COUNT = 132  # H100/H200: what grids and splits are sized for without a CUDA device
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device (persistent grids and decode splits are sized by it); DEFAULT_SM_COUNT
+    for any other device (the Triton interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SM_COUNT

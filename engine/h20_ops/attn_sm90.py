@@ -32,19 +32,16 @@ q's dtype (bf16), so a split result carries one more bf16 rounding of each parti
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from engine.h20_ops import sparse_mla
+from engine.h20_ops import sm_count, sparse_mla
 from engine.h20_ops.checks import check_decode_args, check_sink, require_same_device, require_scale, require_tensor
 
 D_V = 512
 HEADS_PER_PROGRAM = 64  # the kernels' head tile
 SPLIT_GRANULE = 64  # minimum entries per split chunk: the kernels gather top-k entries in blocks of 64
-DEFAULT_SM_COUNT = 132  # H100/H200; the device's count is used when q is on CUDA
 _Q_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -251,14 +248,9 @@ def _build_rows(indices, topk_length, width, extra_indices, extra_topk_length, e
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SM_COUNT
-
-
 def _choose_splits(n_rows: int, heads: int, list_len: int, device: torch.device) -> int:
     """Split only when the launch fills at most half of the SMs; chunks of >= SPLIT_GRANULE entries."""
-    sms = _sm_count(device)
+    sms = sm_count(device)
     programs = n_rows * -(-heads // HEADS_PER_PROGRAM)
     if 2 * programs > sms:
         return 1

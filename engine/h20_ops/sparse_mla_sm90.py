@@ -58,6 +58,7 @@ import tilelang
 import tilelang.language as T
 import torch
 
+from engine.h20_ops import sm_count
 from engine.h20_ops.checks import check_sparse_mla_args
 
 D_V = 512
@@ -395,11 +396,6 @@ def compiled_kernel(h_q: int, d_qk: int):
                             target=SM90_TARGET, pass_configs=PASS_CONFIGS)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
@@ -432,7 +428,7 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
     else:
         sink = _dense(attn_sink)
     kernel = compiled_kernel(shape.h_q, shape.d_qk)
-    n_ctas = min(shape.s_q * (shape.h_q // HEADS_PER_CTA), _sm_count(device))
+    n_ctas = min(shape.s_q * (shape.h_q // HEADS_PER_CTA), sm_count(device))
     kernel(_dense(q), _dense(kv[:, 0, :]), _dense(indices), lengths, sink, out, lse,
            float(sm_scale) * LOG2E, int(topk_length is not None), int(attn_sink is not None), n_ctas)
     return out, lse
