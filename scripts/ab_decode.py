@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import engine.h20_ops  # noqa: E402,F401  (TRITON_INTERPRET on CPU before kernel modules load)
 from engine.h20_ops import kv_quant, sparse_mla  # noqa: E402
-from engine.h20_ops.attn_sm90 import _choose_splits, decode_attn_sparse  # noqa: E402
+from engine.h20_ops.attn_sm90 import (PAGED_SPLIT_SMS_PER_PROGRAM, _choose_splits, decode_attn_sparse,  # noqa: E402
+                                      decode_attn_sparse_paged_fp8)
 from engine.h20_ops.sparse_mla_ref import sparse_mla_decode_ref, sparse_mla_prefill_ref  # noqa: E402
 
 D = 512
@@ -287,6 +288,27 @@ def main() -> int:
                 all_ok &= ok
                 print(f"{case.name:30s} {case.batch:4d} {case.s_q:3d} {f'{case.width}+{case.extra}':>8s} {name:>8s} "
                       f"{splits:6d} {max_abs:9.2e} {cos:9.2e} {lse_rel:9.2e}  {'ok' if ok else 'MISMATCH'}")
+        if "tilelang" in names and device.type == "cuda":
+            # The paged fp8 kernel reads both caches itself (no buffer): the same oracle.
+            use_backend("tilelang")
+            extra = {}
+            if case.extra:
+                extra = dict(extra_cache=caches[1][0], extra_slots=caches[1][1], extra_indices=args["extra_indices"],
+                             extra_topk_length=args.get("extra_topk_length"))
+            paged_auto = _choose_splits(n_rows, case.heads, list_len, device, PAGED_SPLIT_SMS_PER_PROGRAM)
+            for splits in sorted({1, paged_auto}):
+                out, lse = decode_attn_sparse_paged_fp8(args["q"], caches[0][0], caches[0][1], args["indices"],
+                                                        D ** -0.5, attn_sink=args.get("attn_sink"),
+                                                        topk_length=args.get("topk_length"), num_splits=splits,
+                                                        **extra)
+                bound = None
+                if splits > 1:  # the same chunks as the buffer path's launch with this split
+                    bound = split_rounding_bound(*run_recording_launch(args, splits)[2], splits)
+                ok, max_abs, cos, lse_rel = compare(out.float(), lse, ref, bound)
+                all_ok &= ok
+                print(f"{case.name:30s} {case.batch:4d} {case.s_q:3d} {f'{case.width}+{case.extra}':>8s} "
+                      f"{'tl-fp8':>8s} {splits:6d} {max_abs:9.2e} {cos:9.2e} {lse_rel:9.2e}  "
+                      f"{'ok' if ok else 'MISMATCH'}")
     print("ALL_MATCH" if all_ok else "MISMATCH")
     return 0 if all_ok else 1
 

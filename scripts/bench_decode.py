@@ -5,21 +5,26 @@ Shapes: B in {1, 8, 64, 128}, s_q in {1, 2}, h_q 64, d 512, SWA window W = 128 r
 topk 128) + E = 512 compressed rows (extra cache, etopk 512): 640 valid entries per query. Both
 caches are paged MODEL1 fp8 (584 B/token). One step = 2 Triton gather_dequant launches (fp8 rows ->
 one bf16 [B, W+E, 1, 512] buffer) + decode_attn_sparse (one kernel launch; with the split, plus the
-torch merge). Each configuration runs without the split (S = 1) and with the automatic split.
+merge). Each configuration runs without the split (S = 1) and with the automatic split; with the
+TileLang backend also as the paged fp8 step (S = "p1", "pS": without / with the split):
+decode_attn_sparse_paged_fp8, whose kernel reads the fp8 rows of both caches itself (one slot-id
+launch + one kernel launch, + q copy and merge with the split; no buffer).
 
 Columns (times: median of triton.testing.do_bench, L2 flushed before each run):
   gather / attn / kernel / step ms: the gathers; decode_attn_sparse; its kernel launch alone (same
-    arguments, no index building or merge); gather + attn, called eagerly from Python.
+    arguments, no index building or merge); gather + attn, called eagerly from Python. Paged rows:
+    gather -, attn = step = decode_attn_sparse_paged_fp8, kernel = its kernel launch alone.
   graph ms: the same step captured once in a CUDA graph and replayed (what a serving loop that
     graph-captures its decode step pays: GPU time without Python and launch overhead).
   TFLOP/s: 2 * B * s_q * 640 * h_q * (512 + 512) / graph time (masked slots: none here).
   read GB/s: bytes the step actually reads / graph time: fp8 rows + slot ids (gather), bf16 rows +
-    indices + q per program (kernel; q once per split chunk), partial outputs (merge).
+    indices + q per program (kernel; q once per split chunk), partial outputs (merge); paged: fp8
+    rows per query + slot ids + q.
   roofline ms: the binding bound of an ideal fused fp8 kernel, max(FLOP / bf16 GEMM rate, bytes /
     HBM bandwidth) with bytes = each request's 640 fp8 rows once + q + out; both rates measured in
     this run (torch bf16 8192^3 GEMM; device-to-device copy of 2 GiB, read + write).
   frac: roofline ms / graph ms (eager frac: roofline ms / step ms).
-Usage: python scripts/bench_decode.py [--backend triton|tilelang]    (needs CUDA)
+Usage: python scripts/bench_decode.py [--backend triton|tilelang] [--batches 1,8,64,128]   (needs CUDA)
        python scripts/bench_decode.py --small   (tiny shapes on any device: checks this script)
 """
 
@@ -38,7 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import engine.h20_ops  # noqa: E402,F401
 from ab_decode import Case, make_inputs  # noqa: E402
 from engine.h20_ops import sparse_mla  # noqa: E402
-from engine.h20_ops.attn_sm90 import _choose_splits, decode_attn_sparse  # noqa: E402
+from engine.h20_ops.attn_sm90 import (PAGED_SPLIT_SMS_PER_PROGRAM, _choose_splits, decode_attn_sparse,  # noqa: E402
+                                      decode_attn_sparse_paged_fp8)
 from engine.h20_ops.kv_quant import MODEL1, gather_dequant  # noqa: E402
 
 D = 512
@@ -89,20 +95,20 @@ def graphed(fn, device):
     return graph.replay
 
 
-def record_launch(fn):
-    """Runs fn once; returns the (args, kwargs) of the one sparse_mla_fwd launch it made."""
+def record_launch(fn, entry="sparse_mla_fwd"):
+    """Runs fn once; returns the (args, kwargs) of the one launch of sparse_mla.<entry> it made."""
     launches = []
-    real = sparse_mla.sparse_mla_fwd
+    real = getattr(sparse_mla, entry)
 
     def recording(*args, **kwargs):
         launches.append((args, kwargs))
         return real(*args, **kwargs)
 
-    sparse_mla.sparse_mla_fwd = recording
+    setattr(sparse_mla, entry, recording)
     try:
         fn()
     finally:
-        sparse_mla.sparse_mla_fwd = real
+        setattr(sparse_mla, entry, real)
     if len(launches) != 1:
         raise AssertionError(f"expected one kernel launch per decode call, got {len(launches)}")
     return launches[0]
@@ -113,7 +119,14 @@ def main() -> int:
     parser.add_argument("--backend", choices=("triton", "tilelang", "ref"), default=None,
                         help="DEEPINFER_SPARSE_MLA_BACKEND for this run (default: the auto resolution)")
     parser.add_argument("--small", action="store_true", help="tiny shapes on any device (checks the script)")
+    parser.add_argument("--batches", default="1,8,64,128", help="comma-separated batch sizes (default 1,8,64,128)")
     opts = parser.parse_args()
+    try:
+        batches = tuple(int(b) for b in opts.batches.split(","))
+    except ValueError:
+        parser.error(f"--batches: expected comma-separated integers, got {opts.batches!r}")
+    if min(batches) < 1:
+        parser.error(f"--batches: expected sizes >= 1, got {opts.batches!r}")
     if not torch.cuda.is_available() and not opts.small:
         print("bench_decode.py needs a CUDA device (or --small)")
         return 2
@@ -123,7 +136,7 @@ def main() -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     heads = 64
     width, extra = (32, 96) if opts.small else (128, 512)
-    batches = (1,) if opts.small else (1, 8, 64, 128)
+    batches = (1,) if opts.small else batches
     hbm, gemm = device_rates(device, opts.small)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"device: {name}; torch {torch.__version__}; backend {sparse_mla.resolve_backend()}")
@@ -135,6 +148,14 @@ def main() -> int:
     print(header)
     print("-" * len(header))
     entries = width + extra
+    paged = sparse_mla.paged_fp8_supported() and device.type == "cuda"
+
+    def row(batch, s_q, label, gather_ms, attn_ms, kernel_ms, step_ms, graph_ms, flop, read, roofline_ms, bound):
+        gather_col = f"{gather_ms:8.4f}" if gather_ms is not None else f"{'-':>8s}"
+        print(f"{batch:4d} {s_q:3d} {label:>3s} {gather_col} {attn_ms:8.4f} {kernel_ms:8.4f} "
+              f"{step_ms:8.4f} {graph_ms:8.4f} {flop / graph_ms / 1e9:8.1f} {read / graph_ms / 1e6:9.0f} "
+              f"{roofline_ms:8.4f} {roofline_ms / graph_ms:6.1%} {roofline_ms / step_ms:6.1%} {bound:>7s}")
+
     for batch in batches:
         for s_q in (1, 2):
             case = Case(f"b{batch}", batch, s_q, width, extra, width, extra, heads=heads, sink=True)
@@ -169,9 +190,26 @@ def main() -> int:
                         + n_rows * entries * (4 + D * 2) * -(-heads // 64)  # kernel: indices + bf16 rows
                         + n_rows * splits * heads * D * 2  # kernel: q per chunk
                         + (n_rows * splits * heads * (D * 2 + 4) if splits > 1 else 0))  # merge
-                print(f"{batch:4d} {s_q:3d} {splits:3d} {gather_ms:8.4f} {attn_ms:8.4f} {kernel_ms:8.4f} "
-                      f"{step_ms:8.4f} {graph_ms:8.4f} {flop / graph_ms / 1e9:8.1f} {read / graph_ms / 1e6:9.0f} "
-                      f"{roofline_ms:8.4f} {roofline_ms / graph_ms:6.1%} {roofline_ms / step_ms:6.1%} {bound:>7s}")
+                row(batch, s_q, str(splits), gather_ms, attn_ms, kernel_ms, step_ms, graph_ms, flop, read,
+                    roofline_ms, bound)
+            if paged:
+                for splits in sorted({1, _choose_splits(n_rows, heads, entries, device, PAGED_SPLIT_SMS_PER_PROGRAM)}):
+                    call = {k: v for k, v in args.items() if k not in ("q", "indices", "kv_windows", "extra_kv_windows")}
+
+                    def paged_step():
+                        decode_attn_sparse_paged_fp8(args["q"], swa_cache, swa_slots, args["indices"], D ** -0.5,
+                                                     extra_cache=comp_cache, extra_slots=comp_slots,
+                                                     num_splits=splits, **call)
+
+                    k_args, k_kwargs = record_launch(paged_step, "sparse_mla_paged_fp8_fwd")
+                    kernel_ms = timer(lambda: sparse_mla.sparse_mla_paged_fp8_fwd(*k_args, **k_kwargs), device)
+                    step_ms = timer(paged_step, device)
+                    graph_ms = timer(graphed(paged_step, device), device)
+                    read = (n_rows * entries * (FP8_ROW_READ + 4 + 4 + 8)  # fp8 row, index, slot table, slot id
+                            + n_rows * splits * heads * D * 2  # q per chunk
+                            + (n_rows * splits * heads * (D * 2 + 4) if splits > 1 else 0))  # merge
+                    row(batch, s_q, f"p{splits}", None, step_ms, kernel_ms, step_ms, graph_ms, flop, read,
+                        roofline_ms, bound)
     return 0
 
 

@@ -3,7 +3,7 @@
 # benchmarks and the end-to-end report. Each step has its own time limit and log; a summary of exit
 # codes ends the output, and the script exits nonzero if any step failed.
 #   bash scripts/gpu_checks.sh LOGDIR STEP [STEP...]
-# steps: tests memcheck ab bench sweep decode e2e e2e-nextn e2e-sampled sample
+# steps: compile tests engine memcheck ab bench sweep decode e2e e2e-fp8 e2e-nextn e2e-sampled sample
 # A TileLang bundle at .tilelang_bundle/*.tar.xz (scripts/tilelang_bundle.sh) is installed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,21 +32,30 @@ step() {  # step NAME SECONDS CMD...
 }
 for s in "$@"; do
     case $s in
-        tests) step tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_mla_ref.py \
+        compile)  # the TileLang kernels, one process each, into TILELANG_CACHE_DIR for the steps after
+            step compile 300 bash -c 'for v in "sparse_mla_sm90 64,512" "sparse_mla_sm90 128,512" \
+                "sparse_mla_sm90 64,576" "sparse_mla_sm90 128,576" "sparse_mla_sm90_paged_fp8 64" \
+                "sparse_mla_sm90_paged_fp8 128"; do set -- $v; python3 -c "from engine.h20_ops.$1 import compiled_kernel; compiled_kernel($2)" & done
+                fail=0; for j in $(jobs -p); do wait $j || fail=1; done; exit $fail' ;;
+        tests) step tests 400 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_mla_ref.py \
                 tests/test_dispatcher.py tests/test_flashmla_sparse.py tests/test_sparse_mla_sm90.py \
-                tests/test_attn_sm90.py tests/test_kv_quant.py ;;
+                tests/test_sparse_mla_sm90_paged_fp8.py tests/test_attn_sm90.py tests/test_kv_quant.py ;;
+        engine) step engine 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_model_engine.py -m gpu ;;
         memcheck)
             step memcheck_triton 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q \
                 -p no:cacheprovider tests/test_flashmla_sparse.py -k "fillers or empty_kv or topk_larger"
             step memcheck_tilelang 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q \
                 -p no:cacheprovider tests/test_sparse_mla_sm90.py \
-                -k "(test_matches_oracle and 100-700 and 128-576) or (several_items and 300-128-576)" ;;
+                -k "(test_matches_oracle and 100-700 and 128-576) or (several_items and 300-128-576)"
+            step memcheck_paged_fp8 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q \
+                -p no:cacheprovider tests/test_sparse_mla_sm90_paged_fp8.py -k "test_matches_oracle and extras1" ;;
         ab) step ab_vendored 150 python3 scripts/ab_vendored.py --no-bench
             step ab_decode 200 python3 scripts/ab_decode.py ;;
         bench) step bench 240 python3 scripts/bench_sparse_mla.py --flaggems-file "$flaggems" ;;
         sweep) step sweep 300 python3 scripts/bench_sparse_mla.py --sweep --shapes v4flash512,v32 --flaggems-file "$flaggems" ;;
-        decode) step bench_decode 200 python3 scripts/bench_decode.py ;;
+        decode) step bench_decode 300 python3 scripts/bench_decode.py --batches 1,8,16,32,64,128 ;;
         e2e) step e2e 400 bash scripts/h20_e2e_report.sh --compare --json "$logdir/e2e.json" ;;
+        e2e-fp8) step e2e_fp8 400 bash scripts/h20_e2e_report.sh --compare --kv-cache fp8 --json "$logdir/e2e_fp8.json" ;;
         e2e-nextn) step e2e_nextn 400 env DEEPINFER_USE_NEXTN_DECODE=1 bash scripts/h20_e2e_report.sh --compare \
                 --json "$logdir/e2e_nextn.json" ;;
         e2e-sampled) step e2e_sampled 450 env DEEPINFER_SPARSE_MLA_BACKEND=triton DEEPINFER_USE_NEXTN_DECODE=1 \

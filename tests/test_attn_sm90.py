@@ -332,12 +332,16 @@ def test_split_uses_stride0_query_for_a_single_row(ref_backend, dispatcher_calls
 def test_auto_split_choice():
     cpu = torch.device("cpu")  # 132 SMs assumed off-GPU
     assert attn._choose_splits(1, 64, 640, cpu) == 10  # chunks of 64 entries
-    assert attn._choose_splits(8, 64, 640, cpu) == 10
-    assert attn._choose_splits(64, 64, 640, cpu) == 2
+    assert attn._choose_splits(4, 64, 640, cpu) == 10  # 4 programs x 32 SMs <= 132
+    assert attn._choose_splits(8, 64, 640, cpu) == 1
     assert attn._choose_splits(128, 64, 640, cpu) == 1  # one wave already
     assert attn._choose_splits(1, 128, 640, cpu) == 10
     assert attn._choose_splits(40, 128, 640, cpu) == 1
     assert attn._choose_splits(1, 64, 40, cpu) == 1  # too short to split
+    paged = attn.PAGED_SPLIT_SMS_PER_PROGRAM
+    assert attn._choose_splits(8, 64, 640, cpu, paged) == 10
+    assert attn._choose_splits(16, 64, 640, cpu, paged) == 8  # 132 // 16 chunks
+    assert attn._choose_splits(32, 64, 640, cpu, paged) == 1
 
 
 def test_auto_split_engages_for_one_request(ref_backend, dispatcher_calls):
@@ -569,3 +573,113 @@ def test_prefill_bad_inputs_name_the_argument(ref_backend):
         attn.prefill_attn_varlen_sparse(query, kv, idx, SCALE, sink[:2], length)
     with pytest.raises(TypeError, match="^softmax_scale:"):
         attn.prefill_attn_varlen_sparse(query, kv, idx, "0.1")
+
+
+# ---------------------------------------------------------------------------------------------
+# paged fp8 decode: slot-id lists (CPU, Triton interpreter) and the backend requirement
+# ---------------------------------------------------------------------------------------------
+
+def _slot_ids_reference(indices, lengths, slots, n0, extra_indices, extra_lengths, extra_slots, n1):
+    batch, s_q, topk = indices.shape
+    rows = []
+    for b in range(batch):
+        for s in range(s_q):
+            row = []
+            for part, (idx, length, table, n, offset) in enumerate((
+                    (indices, lengths, slots, n0, 0), (extra_indices, extra_lengths, extra_slots, n1, n0))):
+                if idx is None:
+                    continue
+                for j, v in enumerate(idx[b, s].tolist()):
+                    ok = 0 <= v < table.size(1) and (length is None or j < int(length[b]))
+                    slot = int(table[b, v]) if ok else -1
+                    row.append(slot + offset if ok and 0 <= slot < n else -1)
+            rows.append(row)
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("with_extra", [False, True])
+def test_paged_slot_ids_keep_invalid_entries_invalid(with_extra):
+    g = torch.Generator().manual_seed(5)
+    batch, s_q, width, extra, topk, etopk, n0, n1 = 3, 2, 9, 7, 6, 5, 40, 30
+    slots = torch.randint(-1, n0 + 3, (batch, width), generator=g)  # some empty, some out of the cache
+    extra_slots = torch.randint(-1, n1 + 3, (batch, extra), generator=g)
+    indices = torch.tensor(fillers(width) * 8, dtype=torch.int32)[: batch * s_q * topk].view(batch, s_q, topk)
+    indices = torch.where(torch.rand(indices.shape, generator=g) < 0.5,
+                          torch.randint(0, width, indices.shape, generator=g, dtype=torch.int32), indices)
+    extra_indices = torch.randint(-2, extra + 2, (batch, s_q, etopk), generator=g, dtype=torch.int32)
+    lengths = torch.tensor([6, 0, 3], dtype=torch.int32)
+    extra_lengths = torch.tensor([5, 2, 0], dtype=torch.int32) if with_extra else None
+    used = topk + (etopk if with_extra else 0)
+    got = attn._build_rows(indices.to(DEVICE), lengths.to(DEVICE), width, extra_indices.to(DEVICE) if with_extra else None,
+                           extra_lengths.to(DEVICE) if with_extra else None, extra if with_extra else None, used + 3,
+                           slots=slots.to(DEVICE), extra_slots=extra_slots.to(DEVICE) if with_extra else None,
+                           n_slots=(n0, n1 if with_extra else 0))
+    assert bool((got[:, used:] == -1).all())  # padding up to splits * chunk
+    want = _slot_ids_reference(indices, lengths, slots, n0, extra_indices if with_extra else None, extra_lengths,
+                               extra_slots if with_extra else None, n1 if with_extra else 0)
+    assert torch.equal(got[:, :used].cpu(), want)
+
+
+def test_paged_fp8_needs_the_tilelang_backend(default_backend):
+    if sparse_mla.resolve_backend() == "tilelang":
+        pytest.skip("TileLang resolved: the kernel itself is tested in tests/test_sparse_mla_sm90_paged_fp8.py")
+    q = torch.zeros(1, 1, 64, 512, dtype=torch.bfloat16, device=DEVICE)
+    from engine.h20_ops import kv_quant
+    cache = kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, 1, 16, DEVICE)
+    slots = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
+    indices = torch.zeros(1, 1, 4, dtype=torch.int32, device=DEVICE)
+    assert not sparse_mla.paged_fp8_supported()
+    with pytest.raises(ValueError, match="backend"):
+        attn.decode_attn_sparse_paged_fp8(q, cache, slots, indices, SCALE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("batch,s_q,lengths", [(3, 2, True), (40, 1, False)])
+def test_paged_fp8_equals_the_buffer_path(monkeypatch, batch, s_q, lengths, splits):
+    """The paged fp8 kernel shares the bf16 kernel's consumers and sees the same rows in the same
+    order (window entries, then extra entries), so with the same split its result must be
+    bit-identical to gather_dequant + decode_attn_sparse. Fillers, empty slots (never selected, as in
+    the engine: the buffer path would attend to their zero rows), lengths and a sink included."""
+    pytest.importorskip("tilelang", reason="the paged fp8 kernel is TileLang's")
+    from engine.h20_ops import kv_quant
+
+    _select_backend(monkeypatch, "tilelang")
+    g = torch.Generator().manual_seed(batch)
+    width, extra, topk, etopk, block = 128, 200, 100, 190, 64
+
+    def cache_and_slots(rows):
+        num_blocks = -(-(batch * rows + 50) // block)
+        cache = kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, num_blocks, block, DEVICE)
+        kv_quant.quantize_into_cache(cache, torch.arange(num_blocks * block, device=DEVICE),
+                                     (torch.randn(num_blocks * block, 1, D, generator=g) * 0.1).to(DEVICE, torch.bfloat16))
+        slots = torch.randperm(num_blocks * block, generator=g)[: batch * rows].view(batch, rows)
+        slots[-1, rows // 2:] = -1  # a request with a short history
+        return cache, slots.to(DEVICE)
+
+    def local(rows, k):
+        idx = torch.argsort(torch.rand(batch, s_q, rows, generator=g), dim=-1)[..., :k].int()
+        idx[-1] = torch.where(idx[-1] >= rows // 2, -1, idx[-1])  # the empty slots of the last request
+        fill = torch.tensor(fillers(rows), dtype=torch.int32)
+        pick = fill[torch.randint(0, len(fill), idx.shape, generator=g)]
+        return torch.where(torch.rand(idx.shape, generator=g) < 0.2, pick, idx).to(DEVICE)
+
+    (cache, slots), (ecache, eslots) = cache_and_slots(width), cache_and_slots(extra)
+    indices, extra_indices = local(width, topk), local(extra, etopk)
+    kwargs = dict(attn_sink=(torch.randn(H, generator=g) * 2).to(DEVICE), extra_indices=extra_indices)
+    if lengths:
+        kwargs["topk_length"] = torch.randint(0, topk + 1, (batch,), generator=g, dtype=torch.int32).to(DEVICE)
+        kwargs["extra_topk_length"] = torch.randint(0, etopk + 1, (batch,), generator=g, dtype=torch.int32).to(DEVICE)
+        kwargs["topk_length"][0], kwargs["extra_topk_length"][0] = 0, 0  # request 0: no entry at all
+    q = (torch.randn(batch, s_q, H, D, generator=g) * 0.1).to(DEVICE, torch.bfloat16)
+    buf = torch.full((batch, width + extra, 1, D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    kv_quant.gather_dequant(cache, slots, buf[:, :width])
+    kv_quant.gather_dequant(ecache, eslots, buf[:, width:])
+    want_out, want_lse = attn.decode_attn_sparse(q, buf[:, :width], indices, SCALE, extra_kv_windows=buf[:, width:],
+                                                 num_splits=splits, **kwargs)
+    out, lse = attn.decode_attn_sparse_paged_fp8(q, cache, slots, indices, SCALE, extra_cache=ecache,
+                                                 extra_slots=eslots, num_splits=splits, **kwargs)
+    assert torch.equal(lse, want_lse)
+    assert torch.equal(out, want_out)
+    if lengths:
+        assert bool((out[0] == 0).all()) and bool(torch.isinf(lse[0]).all())

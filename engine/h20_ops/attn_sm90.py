@@ -17,12 +17,18 @@ by one Triton launch (_build_rows_kernel). An entry is valid iff 0 <= idx < W (E
 position < topk_length[b] (extra_topk_length[b]); every other entry becomes -1 BEFORE shifting, so
 an invalid value can never land on another request's row. The kernel therefore needs no topk_length.
 
-Flash-decoding split: when B * s_q * ceil(H / 64) programs fill at most half of the SMs, each
+Flash-decoding split: when B * s_q * ceil(H / 64) programs leave SPLIT_SMS_PER_PROGRAM SMs each, each
 query's index list is cut into S chunks that run as S x more query rows of the same single launch
 (q rows repeated: a stride-0 view when B * s_q == 1, else one small copy). One Triton launch
 (_merge_splits_kernel) merges the partial (out, lse base 2) by lse and applies the sink once
 (_apply_sink); without a split the kernel applies the sink.
 Launches per decode call: build rows, attention (+ q copy and merge with a split).
+
+Paged fp8 decode (decode_attn_sparse_paged_fp8, TileLang backend only): the same entries, but the
+kernel reads the rows from the paged fp8 MODEL1 caches itself; the same build launch turns each
+query's window-local and extra indices into slot ids of the two caches through the requests' slot
+tables (extra ones offset by the first cache's slot count; invalid entries, empty slots and slots
+outside a cache become -1), then one kernel launch; the same split and merge.
 
 Numerics: the attention kernel's (bf16 operands, fp32 accumulation); merge and sink in fp32.
 Deliberate deviation from FlashMLA's split-KV: the partial outputs come back from the dispatcher in
@@ -42,6 +48,12 @@ from engine.h20_ops.checks import check_decode_args, check_sink, require_same_de
 D_V = 512
 HEADS_PER_PROGRAM = 64  # the kernels' head tile
 SPLIT_GRANULE = 64  # minimum entries per split chunk: the kernels gather top-k entries in blocks of 64
+# The automatic split engages when every program (query row, 64 heads) has at least this many SMs to
+# itself. Measured with CUDA graphs on an H200 (2026-11-30, docs/decode.md): the buffer path gained from
+# the split at 1 program and lost 6-20% at 8-64; the paged fp8 kernel, whose single item takes longer,
+# gained at 1-16 programs and lost at 32-64.
+SPLIT_SMS_PER_PROGRAM = 32
+PAGED_SPLIT_SMS_PER_PROGRAM = 8
 _Q_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -96,28 +108,88 @@ def decode_attn_sparse(q, kv_windows, indices, softmax_scale, *, attn_sink=None,
     softmax_scale = require_scale("softmax_scale", softmax_scale)
     _check_decode_args(q, kv_windows, indices, attn_sink, topk_length, extra_kv_windows, extra_indices,
                        extra_topk_length)
-    batch, s_q, heads, d = q.shape
     kv_rows, request_stride = _flat_kv_rows(kv_windows, extra_kv_windows)
+
+    def build(out_len):
+        return _build_rows(indices, topk_length, kv_windows.size(1), extra_indices, extra_topk_length,
+                           None if extra_kv_windows is None else extra_kv_windows.size(1), out_len,
+                           request_stride=request_stride)
+
+    def launch(q_rows, lists, sink):
+        return sparse_mla.sparse_mla_fwd(q_rows, kv_rows, lists, softmax_scale, d_v=D_V, attn_sink=sink)
+
+    return _launch_decode(q, indices, extra_indices, attn_sink, num_splits, SPLIT_SMS_PER_PROGRAM, build, launch)
+
+
+def _launch_decode(q, indices, extra_indices, attn_sink, num_splits, sms_per_program, build, launch):
+    """What both decode entry points share: the split (num_splits, or chosen from the batch size vs the
+    SM count with sms_per_program), the entry lists build(out_len) -> [B * s_q, out_len] int32 (main entries, extra entries,
+    -1 padding to splits * chunk), and one kernel launch(q_rows, lists, sink) -> (out, lse base 2);
+    with a split, chunk c of query i is kernel row i * splits + c, the kernel gets no sink, and one
+    merge launch combines the chunks by lse and applies the sink once."""
+    batch, s_q, heads, d = q.shape
     n = batch * s_q
     list_len = indices.size(2) + (0 if extra_indices is None else extra_indices.size(2))
-    splits = _choose_splits(n, heads, list_len, q.device) if num_splits is None else _check_splits(num_splits)
+    if num_splits is None:
+        splits = _choose_splits(n, heads, list_len, q.device, sms_per_program)
+    else:
+        splits = _check_splits(num_splits)
     chunk = -(-list_len // splits)
-    rows = _build_rows(indices, topk_length, kv_windows.size(1), extra_indices, extra_topk_length,
-                       None if extra_kv_windows is None else extra_kv_windows.size(1), request_stride,
-                       splits * chunk)  # [n, splits * chunk]
+    lists = build(splits * chunk)  # [n, splits * chunk]
     q_rows = q.flatten(0, 1)  # [n, H, D]; a view whenever q's strides allow
     if splits == 1:
-        out, lse = sparse_mla.sparse_mla_fwd(q_rows, kv_rows, rows, softmax_scale, d_v=D_V, attn_sink=attn_sink)
+        out, lse = launch(q_rows, lists, attn_sink)
     else:
-        # chunk c of query i is kernel row i * splits + c
         if n == 1:
             q_split = q_rows.expand(splits, heads, d)  # stride-0 leading dim: no copy
         else:
             q_split = q_rows.repeat_interleave(splits, dim=0)
-        out_parts, lse_parts = sparse_mla.sparse_mla_fwd(q_split, kv_rows, rows.view(n * splits, chunk),
-                                                         softmax_scale, d_v=D_V)
+        out_parts, lse_parts = launch(q_split, lists.view(n * splits, chunk), None)
         out, lse = _merge_splits(out_parts, lse_parts, splits, attn_sink)
     return out.view(batch, s_q, heads, D_V), lse.view(batch, s_q, heads)
+
+
+def decode_attn_sparse_paged_fp8(q, cache, slots, indices, softmax_scale, *, attn_sink=None, topk_length=None,
+                                 extra_cache=None, extra_slots=None, extra_indices=None, extra_topk_length=None,
+                                 num_splits: int | None = None):
+    """Batched sparse decode reading paged fp8 MODEL1 caches directly (no bf16 window buffer): the
+    dispatcher's paged fp8 kernel (TileLang backend only, sparse_mla.paged_fp8_supported()).
+
+    q [B, s_q, H, 512] bf16; cache [num_blocks, block_size, 1, 584] uint8 (kv_quant.MODEL1); slots [B, W]
+    int (request b's window row w is the cache's slot slots[b, w]; < 0: empty); indices [B, s_q, topk]
+    int32, window-local (an entry is valid iff 0 <= idx < W, its position < topk_length[b] and its slot is
+    a slot of the cache); extra_cache / extra_slots [B, E] / extra_indices [B, s_q, etopk] /
+    extra_topk_length [B]: the compressed cache likewise, attended in the same softmax. num_splits: as
+    decode_attn_sparse's (the automatic choice splits up to more programs: PAGED_SPLIT_SMS_PER_PROGRAM).
+    Launches: one Triton launch turns both index lists into slot ids of the two caches (extra ones offset
+    by the first cache's slot count), one kernel launch (+ q copy and merge with the split).
+    Returns (out [B, s_q, H, 512] bf16, lse [B, s_q, H] fp32 base 2; +inf for empty rows)."""
+    softmax_scale = require_scale("softmax_scale", softmax_scale)
+    require_tensor("q", q, dtypes=(torch.bfloat16,), ndim=4)
+    batch, s_q = q.shape[:2]
+    require_tensor("slots", slots, dtypes=(torch.int32, torch.int64), ndim=2)
+    require_tensor("indices", indices, dtypes=(torch.int32,), ndim=3)
+    if tuple(slots.shape[:1]) != (batch,) or tuple(indices.shape[:2]) != (batch, s_q):
+        raise ValueError(f"slots / indices: expected [{batch}, W] / [{batch}, {s_q}, topk], got "
+                         f"{tuple(slots.shape)} / {tuple(indices.shape)}")
+    has_extra = extra_cache is not None
+    if has_extra != (extra_slots is not None) or has_extra != (extra_indices is not None):
+        raise ValueError("extra_cache, extra_slots, extra_indices: expected all three or none")
+    if has_extra and (tuple(extra_slots.shape[:1]) != (batch,) or tuple(extra_indices.shape[:2]) != (batch, s_q)):
+        raise ValueError(f"extra_slots / extra_indices: expected [{batch}, E] / [{batch}, {s_q}, etopk], got "
+                         f"{tuple(extra_slots.shape)} / {tuple(extra_indices.shape)}")
+    n_slots = (cache.size(0) * cache.size(1), extra_cache.size(0) * extra_cache.size(1) if has_extra else 0)
+
+    def build(out_len):
+        return _build_rows(indices, topk_length, slots.size(1), extra_indices, extra_topk_length,
+                           extra_slots.size(1) if has_extra else None, out_len, slots=slots,
+                           extra_slots=extra_slots, n_slots=n_slots)
+
+    def launch(q_rows, lists, sink):
+        return sparse_mla.sparse_mla_paged_fp8_fwd(q_rows, cache, extra_cache, lists, softmax_scale, attn_sink=sink)
+
+    return _launch_decode(q, indices, extra_indices, attn_sink, num_splits, PAGED_SPLIT_SMS_PER_PROGRAM, build,
+                          launch)
 
 
 def _check_decode_args(q, kv_windows, indices, attn_sink, topk_length, extra_kv_windows, extra_indices,
@@ -187,72 +259,96 @@ def _extra_follows_window(kv: torch.Tensor, extra: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _append_entries(out_row, first, local_row, k, length_ptr, b, limit, base,
-                    HAS_LENGTH: tl.constexpr, BLOCK: tl.constexpr):
-    """out_row[first + j] = base + local_row[j] if entry j is valid, else -1 (j < k)."""
+def _append_entries(out_row, first, local_row, k, length_ptr, b, limit, base, table_row, n_slots,
+                    HAS_LENGTH: tl.constexpr, HAS_TABLE: tl.constexpr, BLOCK: tl.constexpr):
+    """out_row[first + j] for entry j < k: base + local_row[j] (a row of the kv buffer) or, with a slot
+    table, base + table_row[local_row[j]] (a slot id of a paged cache; valid only if that slot is in
+    [0, n_slots)); -1 if the entry is invalid."""
     if HAS_LENGTH:
         length = tl.load(length_ptr + b)
     for start in range(0, k, BLOCK):
         pos = start + tl.arange(0, BLOCK)
         in_list = pos < k
-        idx = tl.load(local_row + pos, mask=in_list, other=-1)
+        idx = tl.load(local_row + pos, mask=in_list, other=-1).to(tl.int64)
         valid = (idx >= 0) & (idx < limit)
         if HAS_LENGTH:
             valid = valid & (pos < length)
+        if HAS_TABLE:
+            idx = tl.load(table_row + tl.where(valid, idx, 0), mask=in_list & valid, other=-1).to(tl.int64)
+            valid = valid & (idx >= 0) & (idx < n_slots)
         # invalid -> -1 BEFORE the shift: no filler can become another request's row
-        tl.store(out_row + first + pos, tl.where(valid, idx.to(tl.int64) + base, -1).to(tl.int32), mask=in_list)
+        tl.store(out_row + first + pos, tl.where(valid, idx + base, -1).to(tl.int32), mask=in_list)
 
 
 @triton.jit
 def _build_rows_kernel(out_ptr, out_len, s_q, request_stride,
-                       idx_ptr, idx_stride_b, idx_stride_s, topk, len_ptr, width,
-                       eidx_ptr, eidx_stride_b, eidx_stride_s, etopk, elen_ptr, extra,
+                       idx_ptr, idx_stride_b, idx_stride_s, topk, len_ptr, width, table_ptr, table_stride, n_slots,
+                       eidx_ptr, eidx_stride_b, eidx_stride_s, etopk, elen_ptr, extra, etable_ptr, etable_stride,
+                       en_slots,
                        HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_ELEN: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       HAS_TABLE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     b = row // s_q
     s = row % s_q
     out_row = out_ptr + row.to(tl.int64) * out_len
-    base = b.to(tl.int64) * request_stride
+    if HAS_TABLE:  # slot ids: the first cache's as they are, the extra cache's after them
+        base = tl.zeros([], tl.int64)
+        extra_base = base + n_slots
+    else:  # rows of the kv buffer: request b's window at b * R, its extra rows right after
+        base = b.to(tl.int64) * request_stride
+        extra_base = base + width
     _append_entries(out_row, 0, idx_ptr + b.to(tl.int64) * idx_stride_b + s * idx_stride_s, topk, len_ptr, b,
-                    width, base, HAS_LEN, BLOCK)
+                    width, base, table_ptr + b.to(tl.int64) * table_stride, n_slots, HAS_LEN, HAS_TABLE, BLOCK)
     used = topk
     if HAS_EXTRA:
         _append_entries(out_row, topk, eidx_ptr + b.to(tl.int64) * eidx_stride_b + s * eidx_stride_s, etopk,
-                        elen_ptr, b, extra, base + width, HAS_ELEN, BLOCK)
+                        elen_ptr, b, extra, extra_base, etable_ptr + b.to(tl.int64) * etable_stride, en_slots,
+                        HAS_ELEN, HAS_TABLE, BLOCK)
         used = topk + etopk
     for start in range(used, out_len, BLOCK):  # padding up to splits * chunk
         pos = start + tl.arange(0, BLOCK)
         tl.store(out_row + pos, tl.full([BLOCK], -1, tl.int32), mask=pos < out_len)
 
 
-def _build_rows(indices, topk_length, width, extra_indices, extra_topk_length, extra, request_stride, out_len):
-    """One launch: per query, [main entries | extra entries | -1 padding] as absolute kv rows, int32."""
+def _build_rows(indices, topk_length, width, extra_indices, extra_topk_length, extra, out_len, *,
+                request_stride=0, slots=None, extra_slots=None, n_slots=(0, 0)):
+    """One launch: per query, [main entries | extra entries | -1 padding] as int32 [B * s_q, out_len]:
+    absolute rows of the kv buffer (request b's window at b * request_stride, extra rows after it), or
+    with slot tables (slots [B, W], extra_slots [B, E]) slot ids of two paged caches of n_slots =
+    (n0, n1) slots (extra ones offset by n0; empty slots and slots outside a cache are invalid)."""
     batch, s_q, topk = indices.shape
-    # the kernel reads index rows and lengths with unit stride (a copy only for exotic strides)
-    indices, extra_indices, topk_length, extra_topk_length = (
+    has_table = slots is not None
+    # the kernel reads index rows, lengths and table rows with unit stride (a copy only for exotic strides)
+    indices, extra_indices, topk_length, extra_topk_length, slots, extra_slots = (
         None if t is None else (t if t.stride(-1) == 1 else t.contiguous())
-        for t in (indices, extra_indices, topk_length, extra_topk_length))
-    if (batch - 1) * request_stride + width + (extra or 0) > torch.iinfo(torch.int32).max:
+        for t in (indices, extra_indices, topk_length, extra_topk_length, slots, extra_slots))
+    if has_table and n_slots[0] + n_slots[1] > torch.iinfo(torch.int32).max:
+        raise ValueError(f"cache, extra_cache: {n_slots[0]} + {n_slots[1]} slots exceed int32 slot ids")
+    if not has_table and (batch - 1) * request_stride + width + (extra or 0) > torch.iinfo(torch.int32).max:
         raise ValueError(f"kv_windows: {batch} requests x {request_stride} rows exceed int32 row indices")
     out = torch.empty((batch * s_q, out_len), dtype=torch.int32, device=indices.device)
     has_extra = extra_indices is not None
     eidx = extra_indices if has_extra else indices
+    table = slots if has_table else indices
+    etable = extra_slots if has_table and has_extra else table
     _build_rows_kernel[(batch * s_q,)](
         out, out_len, s_q, request_stride,
         indices, indices.stride(0), indices.stride(1), topk, indices if topk_length is None else topk_length, width,
+        table, table.stride(0), n_slots[0],
         eidx, eidx.stride(0), eidx.stride(1), eidx.size(2),
-        indices if extra_topk_length is None else extra_topk_length, extra or 0,
+        indices if extra_topk_length is None else extra_topk_length, extra or 0, etable, etable.stride(0),
+        n_slots[1],
         HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra, HAS_ELEN=extra_topk_length is not None,
-        BLOCK=256, num_warps=4)
+        HAS_TABLE=has_table, BLOCK=256, num_warps=4)
     return out
 
 
-def _choose_splits(n_rows: int, heads: int, list_len: int, device: torch.device) -> int:
-    """Split only when the launch fills at most half of the SMs; chunks of >= SPLIT_GRANULE entries."""
+def _choose_splits(n_rows: int, heads: int, list_len: int, device: torch.device,
+                   sms_per_program: int = SPLIT_SMS_PER_PROGRAM) -> int:
+    """Split only when every program has at least sms_per_program SMs; chunks of >= SPLIT_GRANULE entries."""
     sms = sm_count(device)
     programs = n_rows * -(-heads // HEADS_PER_PROGRAM)
-    if 2 * programs > sms:
+    if programs * sms_per_program > sms:
         return 1
     return max(1, min(sms // programs, -(-list_len // SPLIT_GRANULE)))
 

@@ -10,6 +10,7 @@ tilelang if its kernel module imports, else triton; triton without CUDA).
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
@@ -20,6 +21,7 @@ from engine.h20_ops.checks import check_sparse_mla_args
 
 LOG2E = 1.0 / math.log(2.0)  # natural log -> base 2: multiply by log2(e) = 1.4427
 TILELANG_KERNEL_MODULE = "engine.h20_ops.sparse_mla_sm90"
+TILELANG_PAGED_FP8_MODULE = "engine.h20_ops.sparse_mla_sm90_paged_fp8"
 
 _selector = BackendSelector("sparse MLA", TILELANG_KERNEL_MODULE, config.sparse_mla_backend,
                             config.SPARSE_MLA_BACKEND.name)
@@ -65,3 +67,25 @@ def sparse_mla_fwd(q, kv, indices, sm_scale, *, d_v: int = 512, attn_sink=None, 
         q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
         q_dtypes=(torch.bfloat16, torch.float32), limit_shapes=backend != "ref")
     return _BACKENDS[backend](q, kv, indices, float(sm_scale), d_v, attn_sink, topk_length)
+
+
+def paged_fp8_supported(backend: str | None = None) -> bool:
+    """Whether the backend has a kernel reading paged fp8 MODEL1 caches directly (TileLang only: the
+    others attend over rows that kv_quant.gather_dequant wrote into a bf16 buffer first)."""
+    return (resolve_backend() if backend is None else backend) == "tilelang"
+
+
+def sparse_mla_paged_fp8_fwd(q, cache0, cache1, slot_indices, sm_scale, *, attn_sink=None, topk_length=None,
+                             backend: str | None = None):
+    """Sparse MLA forward over two paged fp8 MODEL1 caches (engine.h20_ops.sparse_mla_sm90_paged_fp8).
+    q [s_q, h_q, 512] bf16; cache0, cache1 (or None) [num_blocks, block_size, 1, 584] uint8;
+    slot_indices [s_q, topk] int32: s < n_slots0 is cache0's slot s, n_slots0 <= s < n_slots0 + n_slots1
+    cache1's slot s - n_slots0, anything else invalid. Returns (out [s_q, h_q, 512] bf16, lse base 2)."""
+    if backend is None:
+        backend = resolve_backend()
+    if not paged_fp8_supported(backend):
+        raise ValueError(f"backend: the paged fp8 kernel exists for tilelang only, got {backend!r} "
+                         "(gather the rows with kv_quant.gather_dequant and call sparse_mla_fwd)")
+    module = importlib.import_module(TILELANG_PAGED_FP8_MODULE)
+    return module.sparse_mla_fwd_sm90_paged_fp8(q, cache0, cache1, slot_indices, float(sm_scale),
+                                                attn_sink=attn_sink, topk_length=topk_length)

@@ -84,19 +84,17 @@ BAR_MAX0, BAR_MAX1, BAR_P0, BAR_P1, BAR_SUM, BAR_FINAL = 10, 11, 12, 13, 14, 15
 BAR_MAX, BAR_P = (BAR_MAX0, BAR_MAX1), (BAR_P0, BAR_P1)  # indexed by the arriving consumer
 
 
-def sparse_mla_program(h_q: int, d_qk: int):
-    """The TileLang PrimFunc for one (h_q, d_qk); s_q, s_kv and topk are symbolic."""
-    if h_q % HEADS_PER_CTA:
-        raise ValueError(f"h_q: expected a multiple of {HEADS_PER_CTA}, got {h_q}")
-    if d_qk not in (512, 576):
-        raise ValueError(f"d_qk: expected 512 or 576, got {d_qk}")
-    s_q, s_kv, topk, n_lengths = T.dynamic("s_q, s_kv, topk, n_lengths")
+def consumer_parts(h_q: int, d_qk: int) -> types.SimpleNamespace:
+    """The two consumer warpgroups of a kernel with this module's schedule, whatever fills the ring:
+    `fragments()` allocates a consumer's registers (call it inside the consumer's branch); the macros
+    `consumer0(ns, r, final, lse)` and `consumer1(ns, r)` walk the CTA's items. `ns` = `ring(...)`
+    holds the shared buffers, barriers and kernel arguments they use; ns.q_ready, when not None, is
+    waited for (phase = item parity) before an item's first S, for producers that do not fold Q's
+    arrival into the ring's ready barriers. `item_rows(ns, k)`: the k-th item's (query row, first head)."""
     d_tail = d_qk - D_V
     head_tiles = h_q // HEADS_PER_CTA
     H, BI, DH = HEADS_PER_CTA, BLOCK_TOPK, D_V // 2
-    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
-    bufs = (0, 1)
-    chunk_groups = tuple(range(d_qk // 64))  # 16-byte chunk t % 8 + 8 c of a row per producer thread
+    bf16, f32 = T.bfloat16, T.float32
     NEG_INF = -T.infinity(f32)
 
     def consumer_fragments():
@@ -116,11 +114,43 @@ def sparse_mla_program(h_q: int, d_qk: int):
         )
         return r
 
+    def item_rows(ns, k):
+        """(query row, first head) of the CTA's k-th item."""
+        item = ns.bx + k * ns.n_ctas
+        return item // head_tiles, item % head_tiles * H
+
     @T.macro
-    def reset(r):
+    def start_item(ns, r, k):
+        """Fresh statistics and output; with a q_ready barrier, wait for the item's Q."""
         T.fill(r.acc_o, 0)
         T.fill(r.sumexp, 0)
         T.fill(r.m_run, NEG_INF)
+        if ns.q_ready is not None:
+            T.barrier_wait(ns.q_ready, k & 1)
+
+    def ring(*, q_l, q_r, q_t, kv_l, kv_r, k_t, p_smem, valid, max_smem, sum_smem, final_smem, Out, Lse, Sink,
+             use_sink, scale2, bx, n_ctas, n_items, topk, with_q_ready):
+        """Call in the prim_func after its shared buffers: allocates the ring's mbarriers and returns the
+        namespace the consumers (and the producer) use. ready_l[b] / ready_r[b]: buffer b's columns
+        [0, 256) / [256, d_qk) have arrived (128 arrivals); free_l[b] / free_r[b]: their last reader is
+        done (128 arrivals each); q_free: both consumers' last S of an item is done, Q may be replaced;
+        q_ready (with_q_ready): the item's Q has landed (128 arrivals). left / right: what each
+        consumer's P V reads and releases (consumer 0 the left column half of both buffers, consumer 1
+        the right half)."""
+        ready_l = T.alloc_barrier([128, 128])
+        ready_r = T.alloc_barrier([128, 128])
+        free_l = T.alloc_barrier([128, 128])
+        free_r = T.alloc_barrier([128, 128])
+        q_free = T.alloc_barrier(256)
+        q_ready = T.alloc_barrier(128) if with_q_ready else None
+        left = types.SimpleNamespace(kv=kv_l, free=free_l, valid=valid, max_smem=max_smem, p_smem=p_smem)
+        right = types.SimpleNamespace(kv=kv_r, free=free_r, valid=valid, max_smem=max_smem, p_smem=p_smem)
+        return types.SimpleNamespace(
+            q_l=q_l, q_r=q_r, q_t=q_t, kv_l=kv_l, kv_r=kv_r, k_t=k_t, ready_l=ready_l, ready_r=ready_r,
+            free_l=free_l, free_r=free_r, q_free=q_free, q_ready=q_ready, left=left, right=right,
+            sum_smem=sum_smem, final_smem=final_smem, Out=Out, Lse=Lse, Sink=Sink, use_sink=use_sink,
+            scale2=scale2, bx=bx, n_ctas=n_ctas, n_local=T.ceildiv(n_items - bx, n_ctas),  # items of this CTA
+            n_pairs=T.ceildiv(topk, 2 * BI))
 
     @T.macro
     def block_max(r, valid, buf, scale2):
@@ -175,6 +205,97 @@ def sparse_mla_program(h_q: int, d_qk: int):
                     T.barrier_arrive(bufs_of_c.free[b])
             else:
                 T.barrier_arrive(bufs_of_c.free[b])
+
+    @T.macro
+    def consumer0(ns, r, final, lse):
+        """Consumer 0 (threads 0-127): S of buffer 0's block and O[:, :256], item after item; writes lse."""
+        for k in T.serial(ns.n_local):
+            s_i, h0 = item_rows(ns, k)
+            start_item(ns, r, k)
+            for p in T.serial(ns.n_pairs):
+                g = k * ns.n_pairs + p  # pair count of this CTA: the barriers' phase
+                # S is issued and waited for inside the iteration: a wgmma in flight across the
+                # loop's back edge makes ptxas serialize every wgmma of the kernel (C7515), and a
+                # second copy of the S issue before the loop makes it spill the hoisted descriptors.
+                T.barrier_wait(ns.ready_l[0], g & 1)
+                T.wgmma_gemm(ns.q_l, ns.kv_l[0], r.acc_s, transpose_B=True, clear_accum=True)
+                T.barrier_wait(ns.ready_r[0], g & 1)
+                T.wgmma_gemm(ns.q_r, ns.kv_r[0], r.acc_s, transpose_B=True)
+                if d_tail:
+                    T.wgmma_gemm(ns.q_t, ns.k_t[0], r.acc_s, transpose_B=True)
+                T.wait_wgmma(0)
+                if p == ns.n_pairs - 1:
+                    T.barrier_arrive(ns.q_free)
+                softmax_and_pv(r, 0, ns.left, ns.scale2, p < ns.n_pairs - 1)
+            # Row sum = both consumers' shares (same max); consumer 0 writes lse.
+            T.sync_threads(BAR_SUM, 256)
+            for h in T.Parallel(H):
+                r.sumexp[h] += ns.sum_smem[h]
+                lse[h] = T.if_then_else(r.sumexp[h] > 0, T.log2(r.sumexp[h]) + r.m_run[h],
+                                        T.infinity(f32))
+                final[h] = T.if_then_else(r.sumexp[h] > 0, 1.0 / r.sumexp[h], 0.0)
+            if ns.use_sink != 0:
+                for h in T.Parallel(H):
+                    # Empty rows keep 0: their lse is +inf and a +inf sink would give inf - inf.
+                    final[h] = T.if_then_else(
+                        r.sumexp[h] > 0, final[h] / (1.0 + T.exp2(ns.Sink[h0 + h] * LOG2E - lse[h])), 0.0)
+            T.copy(final, ns.final_smem)
+            T.copy(lse, ns.Lse[s_i, h0:h0 + H])
+            T.named_barrier_arrive(BAR_FINAL, 256)
+            for h, d in T.Parallel(H, DH):
+                r.acc_o[h, d] *= final[h]
+            # O leaves through buffer 1's ns.left half (this consumer was its last reader) by TMA;
+            # the producer refills it once the store has read it.
+            T.copy(r.acc_o, ns.kv_l[1])
+            T.copy(ns.kv_l[1], ns.Out[s_i, h0:h0 + H, 0:DH])
+            T.barrier_arrive(ns.free_l[1])
+
+    @T.macro
+    def consumer1(ns, r):
+        """Consumer 1 (threads 128-255): S of buffer 1's block and O[:, 256:], item after item."""
+        for k in T.serial(ns.n_local):
+            s_i, h0 = item_rows(ns, k)
+            start_item(ns, r, k)
+            for p in T.serial(ns.n_pairs):
+                g = k * ns.n_pairs + p
+                T.barrier_wait(ns.ready_r[1], g & 1)
+                T.wgmma_gemm(ns.q_r, ns.kv_r[1], r.acc_s, transpose_B=True, clear_accum=True)
+                if d_tail:
+                    T.wgmma_gemm(ns.q_t, ns.k_t[1], r.acc_s, transpose_B=True)
+                T.barrier_wait(ns.ready_l[1], g & 1)
+                T.wgmma_gemm(ns.q_l, ns.kv_l[1], r.acc_s, transpose_B=True)
+                T.wait_wgmma(0)
+                if p == ns.n_pairs - 1:
+                    T.barrier_arrive(ns.q_free)
+                softmax_and_pv(r, 1, ns.right, ns.scale2, p < ns.n_pairs - 1)
+            for h in T.Parallel(H):
+                ns.sum_smem[h] = r.sumexp[h]
+            T.named_barrier_arrive(BAR_SUM, 256)
+            T.sync_threads(BAR_FINAL, 256)
+            for h, d in T.Parallel(H, DH):
+                r.acc_o[h, d] *= ns.final_smem[h]
+            T.copy(r.acc_o, ns.kv_r[1])  # this consumer was its last reader
+            T.copy(ns.kv_r[1], ns.Out[s_i, h0:h0 + H, DH:D_V])
+            T.barrier_arrive(ns.free_r[1])
+
+    return types.SimpleNamespace(fragments=consumer_fragments, ring=ring, item_rows=item_rows, consumer0=consumer0,
+                                 consumer1=consumer1)
+
+
+def sparse_mla_program(h_q: int, d_qk: int):
+    """The TileLang PrimFunc for one (h_q, d_qk); s_q, s_kv and topk are symbolic."""
+    if h_q % HEADS_PER_CTA:
+        raise ValueError(f"h_q: expected a multiple of {HEADS_PER_CTA}, got {h_q}")
+    if d_qk not in (512, 576):
+        raise ValueError(f"d_qk: expected 512 or 576, got {d_qk}")
+    s_q, s_kv, topk, n_lengths = T.dynamic("s_q, s_kv, topk, n_lengths")
+    d_tail = d_qk - D_V
+    head_tiles = h_q // HEADS_PER_CTA
+    H, BI, DH = HEADS_PER_CTA, BLOCK_TOPK, D_V // 2
+    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+    bufs = (0, 1)
+    chunk_groups = tuple(range(d_qk // 64))  # 16-byte chunk t % 8 + 8 c of a row per producer thread
+    consumers = consumer_parts(h_q, d_qk)
 
     rows_per_pass = 16  # 8 threads per kv row
     passes = BI // rows_per_pass
@@ -244,98 +365,21 @@ def sparse_mla_program(h_q: int, d_qk: int):
             sum_smem = T.alloc_shared([H], f32)
             final_smem = T.alloc_shared([H], f32)
 
-            # ready_l[b] / ready_r[b]: buffer b's columns [0, 256) / [256, d_qk) have arrived;
-            # free_l[b] / free_r[b]: their last reader is done (128 arrivals each)
-            ready_l = T.alloc_barrier([128, 128])
-            ready_r = T.alloc_barrier([128, 128])
-            free_l = T.alloc_barrier([128, 128])
-            free_r = T.alloc_barrier([128, 128])
-            q_free = T.alloc_barrier(256)  # both consumers' last S of an item is done: Q may be replaced
-            # What each consumer's P V reads and releases: consumer 0 the left column half of both
-            # buffers, consumer 1 the right half.
-            left = types.SimpleNamespace(kv=kv_l, free=free_l, valid=valid, max_smem=max_smem, p_smem=p_smem)
-            right = types.SimpleNamespace(kv=kv_r, free=free_r, valid=valid, max_smem=max_smem, p_smem=p_smem)
-
-            n_local = T.ceildiv(s_q * head_tiles - bx, n_ctas)  # items (query row, head tile) of this CTA
-            n_pairs = T.ceildiv(topk, 2 * BI)
+            ring = consumers.ring(
+                q_l=q_l, q_r=q_r, q_t=q_t if d_tail else None, kv_l=kv_l, kv_r=kv_r, k_t=k_t if d_tail else None,
+                p_smem=p_smem, valid=valid, max_smem=max_smem, sum_smem=sum_smem, final_smem=final_smem, Out=Out,
+                Lse=Lse, Sink=Sink, use_sink=use_sink, scale2=scale2, bx=bx, n_ctas=n_ctas,
+                n_items=s_q * head_tiles, topk=topk, with_q_ready=False)
             tx = T.get_thread_binding()
 
             if tx < 128:
-                # Consumer 0: buffer 0 and O[:, :256].
                 T.set_max_nreg(216, 1)
-                r = consumer_fragments()
                 final = T.alloc_fragment([H], f32)
                 lse = T.alloc_fragment([H], f32)
-                for k in T.serial(n_local):
-                    s_i = (bx + k * n_ctas) // head_tiles
-                    h0 = (bx + k * n_ctas) % head_tiles * H
-                    reset(r)
-                    for p in T.serial(n_pairs):
-                        g = k * n_pairs + p  # pair count of this CTA: the barriers' phase
-                        # S is issued and waited for inside the iteration: a wgmma in flight across the
-                        # loop's back edge makes ptxas serialize every wgmma of the kernel (C7515), and a
-                        # second copy of the S issue before the loop makes it spill the hoisted descriptors.
-                        T.barrier_wait(ready_l[0], g & 1)
-                        T.wgmma_gemm(q_l, kv_l[0], r.acc_s, transpose_B=True, clear_accum=True)
-                        T.barrier_wait(ready_r[0], g & 1)
-                        T.wgmma_gemm(q_r, kv_r[0], r.acc_s, transpose_B=True)
-                        if d_tail:
-                            T.wgmma_gemm(q_t, k_t[0], r.acc_s, transpose_B=True)
-                        T.wait_wgmma(0)
-                        if p == n_pairs - 1:
-                            T.barrier_arrive(q_free)
-                        softmax_and_pv(r, 0, left, scale2, p < n_pairs - 1)
-                    # Row sum = both consumers' shares (same max); consumer 0 writes lse.
-                    T.sync_threads(BAR_SUM, 256)
-                    for h in T.Parallel(H):
-                        r.sumexp[h] += sum_smem[h]
-                        lse[h] = T.if_then_else(r.sumexp[h] > 0, T.log2(r.sumexp[h]) + r.m_run[h],
-                                                T.infinity(f32))
-                        final[h] = T.if_then_else(r.sumexp[h] > 0, 1.0 / r.sumexp[h], 0.0)
-                    if use_sink != 0:
-                        for h in T.Parallel(H):
-                            # Empty rows keep 0: their lse is +inf and a +inf sink would give inf - inf.
-                            final[h] = T.if_then_else(
-                                r.sumexp[h] > 0, final[h] / (1.0 + T.exp2(Sink[h0 + h] * LOG2E - lse[h])), 0.0)
-                    T.copy(final, final_smem)
-                    T.copy(lse, Lse[s_i, h0:h0 + H])
-                    T.named_barrier_arrive(BAR_FINAL, 256)
-                    for h, d in T.Parallel(H, DH):
-                        r.acc_o[h, d] *= final[h]
-                    # O leaves through buffer 1's left half (this consumer was its last reader) by TMA;
-                    # the producer refills it once the store has read it.
-                    T.copy(r.acc_o, kv_l[1])
-                    T.copy(kv_l[1], Out[s_i, h0:h0 + H, 0:DH])
-                    T.barrier_arrive(free_l[1])
+                consumers.consumer0(ring, consumers.fragments(), final, lse)
             elif tx < 256:
-                # Consumer 1: buffer 1 and O[:, 256:].
                 T.set_max_nreg(216, 1)
-                r = consumer_fragments()
-                for k in T.serial(n_local):
-                    s_i = (bx + k * n_ctas) // head_tiles
-                    h0 = (bx + k * n_ctas) % head_tiles * H
-                    reset(r)
-                    for p in T.serial(n_pairs):
-                        g = k * n_pairs + p
-                        T.barrier_wait(ready_r[1], g & 1)
-                        T.wgmma_gemm(q_r, kv_r[1], r.acc_s, transpose_B=True, clear_accum=True)
-                        if d_tail:
-                            T.wgmma_gemm(q_t, k_t[1], r.acc_s, transpose_B=True)
-                        T.barrier_wait(ready_l[1], g & 1)
-                        T.wgmma_gemm(q_l, kv_l[1], r.acc_s, transpose_B=True)
-                        T.wait_wgmma(0)
-                        if p == n_pairs - 1:
-                            T.barrier_arrive(q_free)
-                        softmax_and_pv(r, 1, right, scale2, p < n_pairs - 1)
-                    for h in T.Parallel(H):
-                        sum_smem[h] = r.sumexp[h]
-                    T.named_barrier_arrive(BAR_SUM, 256)
-                    T.sync_threads(BAR_FINAL, 256)
-                    for h, d in T.Parallel(H, DH):
-                        r.acc_o[h, d] *= final_smem[h]
-                    T.copy(r.acc_o, kv_r[1])  # this consumer was its last reader
-                    T.copy(kv_r[1], Out[s_i, h0:h0 + H, DH:D_V])
-                    T.barrier_arrive(free_r[1])
+                consumers.consumer1(ring, consumers.fragments())
             else:
                 # Producer: gathers Q, then per pair the rows of blocks 2p and 2p + 1 into buffers 0
                 # and 1, half by half in the order the consumers need them; an invalid entry (or a
@@ -343,18 +387,18 @@ def sparse_mla_program(h_q: int, d_qk: int):
                 # predicated cp.async (source size 0) and never reads kv.
                 T.set_max_nreg(72, 0)
                 t = tx - 256
-                slots = types.SimpleNamespace(free_l=free_l, free_r=free_r, ready_l=ready_l, ready_r=ready_r,
-                                              valid=valid, kv_l=kv_l, kv_r=kv_r, k_t=k_t if d_tail else None, KV=KV)
+                slots = types.SimpleNamespace(free_l=ring.free_l, free_r=ring.free_r, ready_l=ring.ready_l,
+                                              ready_r=ring.ready_r, valid=valid, kv_l=kv_l, kv_r=kv_r,
+                                              k_t=k_t if d_tail else None, KV=KV)
                 limit = T.alloc_var(i32)
                 rows = T.alloc_local([2, passes], i32)  # kv row per (buffer, pass), -1 if invalid
-                for k in T.serial(n_local):
-                    s_i = (bx + k * n_ctas) // head_tiles
-                    h0 = (bx + k * n_ctas) % head_tiles * H
+                for k in T.serial(ring.n_local):
+                    s_i, h0 = consumers.item_rows(ring, k)
                     limit = T.if_then_else(use_topk_length != 0, T.min(topk, TopkLength[s_i]), topk)
                     if k > 0:
                         # The next item's Q (and then its first gathers) overlaps this item's last
                         # P V and epilogue.
-                        T.barrier_wait(q_free, (k - 1) & 1)
+                        T.barrier_wait(ring.q_free, (k - 1) & 1)
                     for r in T.unroll(passes):
                         j = r * rows_per_pass + t // 8
                         for c in chunk_groups:
@@ -368,8 +412,8 @@ def sparse_mla_program(h_q: int, d_qk: int):
                             else:
                                 T.ptx_cp_async(T.access_ptr(q_t[j, col - D_V], "w", 8),
                                                T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
-                    for p in T.serial(n_pairs):
-                        phase = ((k * n_pairs + p) & 1) ^ 1
+                    for p in T.serial(ring.n_pairs):
+                        phase = ((k * ring.n_pairs + p) & 1) ^ 1
                         # Index loads are issued before waiting for the slots, hiding their latency.
                         for b in bufs:
                             for r in T.unroll(passes):

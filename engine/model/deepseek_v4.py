@@ -28,12 +28,17 @@ import torch
 import torch.nn.functional as F
 
 from engine import ops
-from engine.h20_ops.attn_sm90 import decode_attn_sparse, prefill_attn_varlen_sparse
+from engine.h20_ops import sparse_mla
+from engine.h20_ops.attn_sm90 import decode_attn_sparse, decode_attn_sparse_paged_fp8, prefill_attn_varlen_sparse
 from engine.kv_cache import PagedRows, RequestState
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
+# Decode batches of at least this many queries read fp8 stores through the paged fp8 kernel; smaller
+# ones gather + the bf16 kernel. H200, CUDA graphs, 2026-11-30 (docs/decode.md): paged 1.05x / 1.36x
+# at 64 queries (B 32 s_q 2 / B 64 s_q 1), 1.35-1.8x at 128-256; even or 11% slower at 32, slower at 1-16.
+PAGED_FP8_MIN_QUERIES = 64
 
 
 @dataclass
@@ -351,26 +356,24 @@ class DeepseekV4Runtime:
         # Window rows: those of the batch's queries, fewer while every sequence is short.
         width = min(self.window + s_q - 1, max(s.start + s_q for s in seqs))
         topk = min(self.window, width)
-        buf = torch.empty((batch, width + s_q * e_width, 1, self.head_dim), dtype=q.dtype, device=device)
         window_slots = torch.full((batch, width), -1, dtype=torch.long)
-        firsts = []  # per sequence: the position of its buffer row 0
+        firsts = []  # per sequence: the position of its window row 0
         for b, s in enumerate(seqs):
             last = s.start + s_q - 1
             n = min(last + 1, width)
             firsts.append(last - n + 1)
             window_slots[b, :n] = window.slots(s.state.rid, torch.arange(last - n + 1, last + 1))
-        window.gather(layer_idx, window_slots.to(device), buf[:, :width])
-        # Query j at position p reads buffer rows of positions max(0, p - W + 1) .. p, -1 after.
+        window_slots = window_slots.to(device)
+        # Query j at position p reads window rows of positions max(0, p - W + 1) .. p, -1 after.
         pos = torch.tensor([s.start for s in seqs])[:, None] + torch.arange(s_q)[None, :]  # [B, s_q]
         lo = (pos - self.window + 1).clamp(min=0)
         col = torch.arange(topk)[None, None, :]
         indices = torch.where(col < (pos + 1 - lo)[..., None], (lo - torch.tensor(firsts)[:, None])[..., None] + col, -1)
         indices = indices.to(torch.int32).to(device)
-        extra = {}
+        extra_store = entry_slots = extra_indices = None
         if e_width > 0:
-            store = self._compressed_store(attn.layer_type)
-            slot = self.store_slot[layer_idx]
-            # Buffer column j * E + c of request b holds query j's c-th choice; unchosen ones are -1.
+            extra_store = self._compressed_store(attn.layer_type)
+            # Extra column j * E + c of request b holds query j's c-th choice; unchosen ones are -1.
             chosen = torch.full((batch, s_q, e_width), -1, dtype=torch.long)
             for b, sel in enumerate(selections):
                 chosen[b, :, : sel.size(1)] = sel.cpu()
@@ -378,15 +381,28 @@ class DeepseekV4Runtime:
             entry_slots = torch.full((batch, s_q * e_width), -1, dtype=torch.long)
             for b, s in enumerate(seqs):
                 valid = chosen[b] >= 0
-                entry_slots[b, valid] = store.slots(s.state.rid, chosen[b, valid])
-            store.gather(slot, entry_slots.to(device), buf[:, width:])
+                entry_slots[b, valid] = extra_store.slots(s.state.rid, chosen[b, valid])
+            entry_slots = entry_slots.to(device)
             columns = torch.arange(s_q * e_width, dtype=torch.long).expand(batch, -1)
-            extra = dict(
-                extra_kv_windows=buf[:, width:],
-                extra_indices=torch.where(chosen >= 0, columns, -1).view(batch, s_q, e_width).to(torch.int32).to(device),
-            )
-        out, _lse = decode_attn_sparse(q.reshape(batch, s_q, *q.shape[1:]), buf[:, :width], indices, attn.scaling,
-                                       attn_sink=attn.sinks.detach(), **extra)
+            extra_indices = torch.where(chosen >= 0, columns, -1).view(batch, s_q, e_width).to(torch.int32).to(device)
+        q4 = q.reshape(batch, s_q, *q.shape[1:])
+        if window.fp8 and sparse_mla.paged_fp8_supported() and batch * s_q >= PAGED_FP8_MIN_QUERIES:
+            # The kernel reads the fp8 rows of both stores itself: no bf16 decode buffer.
+            extra = {}
+            if e_width > 0:
+                extra = dict(extra_cache=extra_store.layers[self.store_slot[layer_idx]], extra_slots=entry_slots,
+                             extra_indices=extra_indices)
+            out, _lse = decode_attn_sparse_paged_fp8(q4, window.layers[layer_idx], window_slots, indices,
+                                                     attn.scaling, attn_sink=attn.sinks.detach(), **extra)
+            return out.flatten(0, 1)
+        buf = torch.empty((batch, width + s_q * e_width, 1, self.head_dim), dtype=q.dtype, device=device)
+        window.gather(layer_idx, window_slots, buf[:, :width])
+        extra = {}
+        if e_width > 0:
+            extra_store.gather(self.store_slot[layer_idx], entry_slots, buf[:, width:])
+            extra = dict(extra_kv_windows=buf[:, width:], extra_indices=extra_indices)
+        out, _lse = decode_attn_sparse(q4, buf[:, :width], indices, attn.scaling, attn_sink=attn.sinks.detach(),
+                                       **extra)
         return out.flatten(0, 1)
 
 

@@ -1,0 +1,536 @@
+"""TileLang SM90 sparse MLA decode over DeepSeek-V4's fp8 "MODEL1" paged KV caches: the kernel reads
+the fp8 rows itself instead of attending over a bf16 buffer that kv_quant.gather_dequant wrote first.
+
+Contract: the operator of sparse_mla_sm90 (lse base 2, sink, topk_length, empty rows out 0 / lse +inf,
+any invalid filler) with the kv rows read from TWO paged MODEL1 caches instead of one bf16 tensor:
+  q [s_q, h_q, 512] bf16; cache0, cache1 [num_blocks_i, block_size, 1, 584] uint8 (kv_quant.MODEL1;
+  separate tensors, any num_blocks each, the same block_size; cache1 may be None); indices [s_q, topk]
+  int32: entry s in [0, n_slots0) is cache0's slot s, s in [n_slots0, n_slots0 + n_slots1) cache1's slot
+  s - n_slots0 (n_slots_i = num_blocks_i * block_size); anything else (or a position past
+  topk_length) is invalid: masked, never read. One softmax over both caches' entries.
+
+Numerics: as sparse_mla_sm90 (bf16 operands, fp32 accumulators, exp2 online softmax); the rows are
+dequantized exactly (e4m3 * 2^(scale - 127) is a bf16 value) before they enter the wgmmas.
+
+Schedule: sparse_mla_sm90's consumers (consumer_parts) and ring; a different producer warpgroup. Per
+pair it resolves the 128 entries into a shared row table (token data offset / 16 with the cache in
+bit 30, scale offset / 8), cp.asyncs each 16-column group's raw e4m3 bytes into that group's own
+output chunk of the ring (the row's scale bytes into another of its chunks; RoPE straight to its
+place), waits for its own copies and converts them in place (only the staging thread reads or writes
+its chunks, so the producer needs no barrier of its own), and issues the next half's loads before
+converting the current half when that half's free barrier has already passed. Q arrives on its own
+barrier (q_ready), waited for by the consumers before an item's first S.
+
+Constraints: h_q 64 or 128, d_qk 512 (MODEL1); caches 16-byte aligned, at most 16 GiB each; e4m3
+scales up to 2^7 (kv_quant writes larger ones only for |x| > 57344).
+
+Speed (H200, docs/decode.md): a CTA's item costs ~9 us per pair of blocks (the bf16 kernel ~4 us from
+L2): the producer's staging and conversion, not HBM latency (prefetching the next pairs' rows into L2
+changed nothing). Hence the caller's split for small batches and the engine's use from 64 queries.
+"""
+
+import functools
+import math
+import types
+
+import tilelang
+import tilelang.language as T
+import torch
+
+from engine.h20_ops import kv_quant, sm_count
+from engine.h20_ops.sparse_mla_sm90 import (BLOCK_TOPK, D_V, HEADS_PER_CTA, LOG2E, SM90_TARGET, _dense,
+                                            consumer_parts)
+
+D_QK = 512
+D_NOPE = 448
+TOKEN_BYTES = 576  # data bytes per token in a MODEL1 block (448 e4m3 + 128 bf16)
+TOKEN_CHUNKS = TOKEN_BYTES // 16
+DATA16_MASK = (1 << 30) - 1  # row_data16 bits 0..29 = data offset / 16, bit 30 = cache
+PASS_CONFIGS = {
+    tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+    # Safe memory access would guard every byte of the 16-byte cache loads (it cannot bound the slot
+    # addresses) and scalarize them; every access here is in bounds by construction.
+    tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True,
+}
+CONSUMER_NREG, PRODUCER_NREG = 216, 72  # setmaxnreg: 2 * 216 + 72 <= 512
+
+PRELUDE = r"""
+// 16-byte cp.async global -> shared (L2 only); ok == false: 16 zero bytes are written, nothing is read.
+template <typename D, typename S>
+__device__ __forceinline__ void fp8_cp16(D *dst, const S *src, bool ok) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+// 4-byte cp.async (the .ca form: .cg takes 16 bytes only); ok == false: 4 zero bytes.
+template <typename D, typename S>
+__device__ __forceinline__ void fp8_cp4(D *dst, const S *src, bool ok) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 4 : 0) : "memory");
+}
+// Two caches: the source is base0 + off (sel == 0) or base1 + off (sel != 0), one select of the base
+// pointer per call (nvcc shares it across a row's calls: same sel).
+template <typename D, typename S>
+__device__ __forceinline__ void fp8_cp16s(D *dst, const S *base0, const S *base1, int sel, long long off, bool ok) {
+  fp8_cp16(dst, (sel ? base1 : base0) + off, ok);
+}
+template <typename D, typename S>
+__device__ __forceinline__ void fp8_cp4s(D *dst, const S *base0, const S *base1, int sel, long long off, bool ok) {
+  fp8_cp4(dst, (sel ? base1 : base0) + off, ok);
+}
+__device__ __forceinline__ void fp8_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Wait until this thread's cp.async groups are complete except the newest `newer` (0 or 1); their
+// writes are then visible to this thread.
+__device__ __forceinline__ void fp8_cp_wait(int newer) {
+  if (newer) {
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+  } else {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  }
+}
+// Non-blocking: 1 if the barrier's phase `phase` has completed as seen by every lane of the warp (each
+// lane's own test_wait, so each lane has the acquire), else 0. Warp-uniform.
+template <typename B>
+__device__ __forceinline__ int fp8_test_free(B &bar, int phase) {
+  const int mine = bar.test_wait(static_cast<unsigned>(phase)) ? 1 : 0;
+  return __all_sync(0xffffffffu, mine);
+}
+template <typename D>
+__device__ __forceinline__ void fp8_st_bool(D *p, bool v) {
+  *p = v;
+}
+// Dequantize 16 staged e4m3 bytes w (already in registers) times 2^((e & 0xff) - 127) and store them as
+// bf16: dims [0, 8) -> lo, [8, 16) -> hi (the group's two 16-byte chunks).
+template <typename D>
+__device__ __forceinline__ void fp8_cvt_store(const uint4 w, unsigned e, D *lo, D *hi) {
+  const unsigned s16 = (((e & 0xffu) + 120u) & 0xffu) << 7;  // bf16 2^(e - 7)
+  const unsigned s2 = s16 | (s16 << 16);
+  const unsigned in[4] = {w.x, w.y, w.z, w.w};
+  unsigned out[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // bytes 2h, 2h + 1 of the word into the high bytes of the two 16-bit lanes
+      const unsigned x = __byte_perm(in[i], 0u, h ? 0x3424u : 0x1404u);
+      const unsigned b = (x & 0x80008000u) | ((x >> 4) & 0x07f007f0u);
+      asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out[2 * i + h]) : "r"(b), "r"(s2));
+    }
+  }
+  *reinterpret_cast<uint4 *>(lo) = make_uint4(out[0], out[1], out[2], out[3]);
+  *reinterpret_cast<uint4 *>(hi) = make_uint4(out[4], out[5], out[6], out[7]);
+}
+// One ring row's share of one thread: groups g (lo_g, hi_g), g < 4 (left half) or g < 3 (right half).
+// Staged: group g's 16 raw e4m3 bytes in chunk lo_g, the row's 4-byte scale word (byte g: group g's
+// ue8m0 scale) at the start of chunk hi_0. Everything staged is read into registers first (one
+// 16-byte load per group, all in flight together), then the groups are converted and stored over it.
+template <typename D>
+__device__ __forceinline__ void fp8_cvt_row4(D *lo0, D *hi0, D *lo1, D *hi1, D *lo2, D *hi2, D *lo3, D *hi3) {
+  const unsigned e = *reinterpret_cast<const unsigned *>(hi0);
+  const uint4 w0 = *reinterpret_cast<const uint4 *>(lo0);
+  const uint4 w1 = *reinterpret_cast<const uint4 *>(lo1);
+  const uint4 w2 = *reinterpret_cast<const uint4 *>(lo2);
+  const uint4 w3 = *reinterpret_cast<const uint4 *>(lo3);
+  fp8_cvt_store(w0, e, lo0, hi0);
+  fp8_cvt_store(w1, e >> 8, lo1, hi1);
+  fp8_cvt_store(w2, e >> 16, lo2, hi2);
+  fp8_cvt_store(w3, e >> 24, lo3, hi3);
+}
+template <typename D>
+__device__ __forceinline__ void fp8_cvt_row3(D *lo0, D *hi0, D *lo1, D *hi1, D *lo2, D *hi2) {
+  const unsigned e = *reinterpret_cast<const unsigned *>(hi0);
+  const uint4 w0 = *reinterpret_cast<const uint4 *>(lo0);
+  const uint4 w1 = *reinterpret_cast<const uint4 *>(lo1);
+  const uint4 w2 = *reinterpret_cast<const uint4 *>(lo2);
+  fp8_cvt_store(w0, e, lo0, hi0);
+  fp8_cvt_store(w1, e >> 8, lo1, hi1);
+  fp8_cvt_store(w2, e >> 16, lo2, hi2);
+}
+"""
+
+GATHER_ORDER = ((0, 0), (1, 1), (0, 1), (1, 0))
+GATHER_ORDER_NEXT_ITEM = ((0, 0), (0, 1), (1, 1), (1, 0))
+# fill_pair leaves the order's last half pending across pairs and converts it as (1, 0)
+assert GATHER_ORDER[-1] == GATHER_ORDER_NEXT_ITEM[-1] == (1, 0)
+
+
+def paged_fp8_program(h_q: int):
+    """The TileLang PrimFunc for one h_q; s_q, topk and the caches' sizes are symbolic."""
+    if h_q % HEADS_PER_CTA:
+        raise ValueError(f"h_q: expected a multiple of {HEADS_PER_CTA}, got {h_q}")
+    s_q, n_bytes, n_half, n_bytes1, n_half1, topk, n_lengths = T.dynamic(
+        "s_q, n_bytes, n_half, n_bytes1, n_half1, topk, n_lengths")
+    head_tiles = h_q // HEADS_PER_CTA
+    H, BI, DH = HEADS_PER_CTA, BLOCK_TOPK, D_V // 2
+    bf16, f32, i32, i64 = T.bfloat16, T.float32, T.int32, T.int64
+    bufs = (0, 1)
+    consumers = consumer_parts(h_q, D_QK)
+
+    # ---- producer (the module docstring says how it stages and converts; the macros say what each step does) ----
+    rows_per_pass = 32  # 4 threads per ring row
+    passes = BI // rows_per_pass
+    chunk_groups = tuple(range(D_QK // 64))  # Q: 16-byte chunk t % 8 + 8 c of a row per producer thread
+
+    def producer_registers():
+        """Producer-thread locals (allocated once; a plain helper may allocate, see consumer_fragments)."""
+        return types.SimpleNamespace(
+            go=T.alloc_local([1], i32),  # 1: the next half's slot was free at once (issued before converting)
+            row=T.alloc_local([2], i32),  # (data offset / 16 (-1: invalid), scale offset / 8) of the current row
+            slot=T.alloc_local([1], i32),
+            nxt=T.alloc_local([1], i32),  # the next pair's Indices entry (prefetched one pair ahead)
+            sel=T.alloc_local([1], i32),  # index phase: the entry's cache (0 or 1)
+            bb16=T.alloc_local([1], i32),  # index phase: that cache's block_bytes16
+        )
+
+    def ring_row(t, r):
+        """Ring row of producer thread t in pass r: 4 threads per row; the 8 threads of a quarter warp
+        (rows u, u + 1 before the twist) get rows x and x ^ 5 (mod 8), whose 128-byte swizzles
+        (chunk ^ row % 8) map the 4 lanes' chunks {0, 2, 4, 6} or {0, 1, 2, 3} of one row and of the
+        other to disjoint bank groups: conflict-free 16-byte shared accesses."""
+        u = t // 4
+        return r * rows_per_pass + T.bitwise_xor(u, T.shift_left(T.bitwise_and(u, 1), 2))
+
+    @T.macro
+    def issue_half(g, pr, b, half, t):
+        """cp.async (no registers, all in flight together) of (buffer b, half)'s bytes for thread t's rows
+        (ring_row(t, r), lane kk = t % 4), zero-filled for invalid rows (nothing is read then):
+          left  (kv_l, NoPE dims 0..255): groups q = 0..3: raw e4m3 [16 (kk + 4q), +16) -> chunk lo of
+                kv_l[j, 16 (kk + 4q) : +16] (tile q); scale bytes 0..3 (4-byte word) -> chunk hi of group
+                q = 0 (kv_l[j, 16 kk + 8]);
+          right (kv_r, dims 256..511): groups q = 0..2: raw e4m3 [256 + 16 (kk + 4q), +16) -> chunk lo of
+                kv_r[j, 16 (kk + 4q) : +16] (tile q); RoPE bf16 dims [448 + 8 (kk + 4q), +8), q = 0, 1 ->
+                kv_r[j, 192 + 8 (kk + 4q)] (tile 3, final place); scale bytes 4..7 -> chunk hi of group q = 0.
+        Then one commit group. valid[b, j] is written by lane 0 in the buffer's first-filled half (its
+        previous readers are done: they read it before freeing that half)."""
+        kk = t % 4
+        for r in T.unroll(passes):
+            j = ring_row(t, r)
+            pr.row[0] = g.row_data16[b, j]
+            pr.row[1] = T.if_then_else(pr.row[0] >= 0, g.row_scale8[b, j], 0)
+            if (b, half) in ((0, 0), (1, 1)):
+                if kk == 0:
+                    # through an extern store: a plain one makes the thread-sync planner put a producer
+                    # barrier between issue_half's two instances in fill_pair (it cannot see that they
+                    # exclude each other)
+                    T.evaluate(T.call_extern("handle", "fp8_st_bool", T.address_of(g.valid[b, j]), pr.row[0] >= 0))
+            # row_data16 = (data offset / 16) | (cache << 30) for valid rows, -1 for invalid ones (then: cache
+            # bit 1, offset 0: an in-bounds address, not read)
+            sel = T.bitwise_and(T.shift_right(pr.row[0], 30), 1)
+            src = T.Cast(i64, T.bitwise_and(T.max(pr.row[0], 0), DATA16_MASK)) * 16
+            b8 = (T.address_of(g.Cache8[0]), T.address_of(g.Cache8_1[0]))
+            # (the scale words are copied through the e4m3 views too: cp.async moves raw bytes, and one base per
+            # row means one 64-bit select per row, shared by all of the row's cp.async)
+            if half == 0:
+                for q in T.unroll(4):
+                    T.evaluate(T.call_extern("handle", "fp8_cp16s", T.address_of(g.kv_l[b][j, 16 * (kk + 4 * q)]),
+                                             *b8, sel, src + 16 * (kk + 4 * q), pr.row[0] >= 0))
+                T.evaluate(T.call_extern("handle", "fp8_cp4s", T.address_of(g.kv_l[b][j, 16 * kk + 8]),
+                                         *b8, sel, T.Cast(i64, pr.row[1]) * 8, pr.row[0] >= 0))
+            else:
+                for q in T.unroll(3):
+                    T.evaluate(T.call_extern("handle", "fp8_cp16s", T.address_of(g.kv_r[b][j, 16 * (kk + 4 * q)]),
+                                             *b8, sel, src + DH + 16 * (kk + 4 * q), pr.row[0] >= 0))
+                for q in T.unroll(2):
+                    T.evaluate(T.call_extern("handle", "fp8_cp16s",
+                                             T.address_of(g.kv_r[b][j, D_NOPE - DH + 8 * (kk + 4 * q)]),
+                                             *b8, sel, src + D_NOPE + 16 * (kk + 4 * q), pr.row[0] >= 0))
+                T.evaluate(T.call_extern("handle", "fp8_cp4s", T.address_of(g.kv_r[b][j, 16 * kk + 8]),
+                                         *b8, sel, T.Cast(i64, pr.row[1]) * 8 + 4, pr.row[0] >= 0))
+        T.evaluate(T.call_extern("handle", "fp8_cp_commit"))
+
+    @T.macro
+    def convert_half(g, pr, b, half, t):
+        """(buffer b, half)'s staged bytes (this thread's own; the caller has waited for their group) ->
+        bf16 in place (per row one fp8_cvt_row4 / fp8_cvt_row3: scale word and raw chunks into registers
+        first, then the stores), then fence.proxy.async and arrive on the half's ready barrier."""
+        kk = t % 4
+        for r in T.unroll(passes):
+            j = ring_row(t, r)
+            if half == 0:  # group q = NoPE tile q (scale byte q)
+                T.evaluate(T.call_extern("handle", "fp8_cvt_row4", *[
+                    T.address_of(g.kv_l[b][j, 16 * (kk + 4 * q) + 8 * c]) for q in range(4) for c in range(2)]))
+            else:  # group q = NoPE tile 4 + q (scale byte 4 + q: byte q of the staged word)
+                T.evaluate(T.call_extern("handle", "fp8_cvt_row3", *[
+                    T.address_of(g.kv_r[b][j, 16 * (kk + 4 * q) + 8 * c]) for q in range(3) for c in range(2)]))
+        T.fence_proxy_async()
+        T.barrier_arrive(g.ready_r[b] if half else g.ready_l[b])
+
+    def free_of(g, b, half):
+        return g.free_r[b] if half else g.free_l[b]
+
+    @T.macro
+    def fill_pair(g, pr, order, phase, t, prev_pending):
+        """Thread t's share of one pair: per (buffer, half) h in `order`, issue h's cp.async group and
+        convert the previous half (order's previous entry, or (1, 0) of the previous pair when
+        prev_pending, a runtime condition). If h's slot is already free (non-blocking test, warp-uniform),
+        h is issued first, so its loads overlap the previous half's conversion; otherwise the previous
+        half is converted (and made ready) first and only then does the thread block on h's free barrier:
+        the producer never blocks on a free barrier while a half it has loaded is not yet ready (no new
+        wait-for dependency against the consumers: the ring protocol's deadlock freedom is kept). The order's
+        last half stays pending (converted by the next pair's first step or the item's drain)."""
+        for i, (b, half) in enumerate(order):
+            pr.go[0] = T.call_extern("int32", "fp8_test_free", free_of(g, b, half), phase)
+            if pr.go[0] != 0:
+                issue_half(g, pr, b, half, t)
+            if i == 0:
+                if prev_pending:
+                    T.evaluate(T.call_extern("handle", "fp8_cp_wait", pr.go[0]))
+                    convert_half(g, pr, 1, 0, t)
+            else:
+                T.evaluate(T.call_extern("handle", "fp8_cp_wait", pr.go[0]))
+                convert_half(g, pr, order[i - 1][0], order[i - 1][1], t)
+            if pr.go[0] == 0:
+                T.barrier_wait(free_of(g, b, half), phase)
+                issue_half(g, pr, b, half, t)
+
+    @T.prim_func
+    def kernel(
+        Q: T.Tensor([s_q, h_q, D_QK], bf16),
+        Cache8: T.Tensor([n_bytes], T.float8_e4m3fn),  # cache 0 (paged MODEL1), flat bytes
+        CacheU8: T.Tensor([n_bytes], T.uint8),  # the same bytes: ue8m0 scales
+        CacheBF: T.Tensor([n_half], bf16),  # the same bytes as bf16 pairs: RoPE values
+        Cache8_1: T.Tensor([n_bytes1], T.float8_e4m3fn),  # cache 1 (same layout and block_size)
+        CacheU8_1: T.Tensor([n_bytes1], T.uint8),
+        CacheBF_1: T.Tensor([n_half1], bf16),
+        Indices: T.Tensor([s_q, topk], i32),  # slot ids
+        TopkLength: T.Tensor([n_lengths], i32),  # read only when use_topk_length != 0
+        Sink: T.Tensor([h_q], f32),  # read only when use_sink != 0
+        Out: T.Tensor([s_q, h_q, D_V], bf16),
+        Lse: T.Tensor([s_q, h_q], f32),
+        scale2: T.float32,  # sm_scale * log2(e)
+        use_topk_length: T.int32,
+        use_sink: T.int32,
+        n_ctas: T.int32,  # grid size (<= s_q * head_tiles); CTA b serves items b, b + n_ctas, ...
+        n_slots0: T.int32,  # cache 0's num_blocks * block_size: slots [0, n_slots0) are cache 0's
+        n_slots1: T.int32,  # cache 1's: slots [n_slots0, n_slots0 + n_slots1) are cache 1's (minus n_slots0)
+        block_size: T.int32,  # both caches'
+        block_bytes16_0: T.int32,  # cache 0's page block stride in bytes / 16
+        block_bytes16_1: T.int32,  # cache 1's
+    ):
+        with T.Kernel(n_ctas, threads=384, prelude=PRELUDE) as bx:
+            q_l = T.alloc_shared([H, DH], bf16)
+            q_r = T.alloc_shared([H, DH], bf16)
+            # Buffer b holds block 2p + b of pair p: columns [0, 256) in kv_l[b], [256, 512) in kv_r[b].
+            kv_l = [T.alloc_shared([BI, DH], bf16) for _ in bufs]
+            kv_r = [T.alloc_shared([BI, DH], bf16) for _ in bufs]
+            p_1 = T.alloc_shared([H, BI], bf16)
+            p_0 = T.alloc_shared([H, BI], bf16)
+            p_smem = (p_0, p_1)
+            valid = T.alloc_shared([2, BI], "bool")
+            # producer only: per (buffer, row) of the current pair, the token's data offset / 16 (-1: invalid)
+            # and its scales' offset / 8 (int32: caches up to 16 GB)
+            row_data16 = T.alloc_shared([2, BI], i32)
+            row_scale8 = T.alloc_shared([2, BI], i32)
+            max_smem = T.alloc_shared([2, H], f32)
+            sum_smem = T.alloc_shared([H], f32)
+            final_smem = T.alloc_shared([H], f32)
+
+            ring = consumers.ring(
+                q_l=q_l, q_r=q_r, q_t=None, kv_l=kv_l, kv_r=kv_r, k_t=None, p_smem=p_smem, valid=valid,
+                max_smem=max_smem, sum_smem=sum_smem, final_smem=final_smem, Out=Out, Lse=Lse, Sink=Sink,
+                use_sink=use_sink, scale2=scale2, bx=bx, n_ctas=n_ctas, n_items=s_q * head_tiles, topk=topk,
+                with_q_ready=True)
+            tx = T.get_thread_binding()
+
+            if tx < 128:
+                T.set_max_nreg(CONSUMER_NREG, 1)
+                final = T.alloc_fragment([H], f32)
+                lse = T.alloc_fragment([H], f32)
+                consumers.consumer0(ring, consumers.fragments(), final, lse)
+            elif tx < 256:
+                T.set_max_nreg(CONSUMER_NREG, 1)
+                consumers.consumer1(ring, consumers.fragments())
+            else:
+                # Producer: gathers Q (cp.async -> q_ready), then per pair stages the fp8 bytes of blocks
+                # 2p and 2p + 1 in the ring with cp.async and converts them in place, half by half in the
+                # order the consumers need them (see fill_pair).
+                T.set_max_nreg(PRODUCER_NREG, 0)
+                t = tx - 256
+                g = types.SimpleNamespace(free_l=ring.free_l, free_r=ring.free_r, ready_l=ring.ready_l,
+                                          ready_r=ring.ready_r, valid=valid, kv_l=kv_l, kv_r=kv_r, Cache8=Cache8, CacheU8=CacheU8,
+                                          CacheBF=CacheBF, Cache8_1=Cache8_1, CacheU8_1=CacheU8_1,
+                                          CacheBF_1=CacheBF_1, row_data16=row_data16, row_scale8=row_scale8)
+                pr = producer_registers()
+                limit = T.alloc_var(i32)
+                for k in T.serial(ring.n_local):
+                    s_i, h0 = consumers.item_rows(ring, k)
+                    limit = T.if_then_else(use_topk_length != 0, T.min(topk, TopkLength[s_i]), topk)
+                    if k > 0:
+                        # The next item's Q (and then its first rows) overlaps this item's last
+                        # P V and epilogue. (All of the previous item's halves are ready: drained below.)
+                        T.barrier_wait(ring.q_free, (k - 1) & 1)
+                    for r in T.unroll(BI // 16):
+                        j = r * 16 + t // 8
+                        for c in chunk_groups:
+                            col = c * 64 + t % 8 * 8
+                            if c * 64 < DH:
+                                T.ptx_cp_async(T.access_ptr(q_l[j, col], "w", 8),
+                                               T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
+                            else:
+                                T.ptx_cp_async(T.access_ptr(q_r[j, col - DH], "w", 8),
+                                               T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
+                    # (these cp.async join the first half's commit group; the arrive below tracks them)
+                    T.cp_async_barrier_noinc(ring.q_ready)
+                    for p in T.serial(ring.n_pairs):
+                        phase = ((k * ring.n_pairs + p) & 1) ^ 1
+                        # Index phase: thread t resolves entry t of the pair (row t % 64 of buffer t // 64) to
+                        # its token's addresses. The Indices entry was loaded one pair ahead (pr.nxt; the
+                        # first pair of an item loads it here). TileLang's thread-sync pass puts
+                        # producer-only barriers (128 threads) between these writes and the reads in
+                        # issue_half (and before the next pair's writes). convert_half does not read them.
+                        pos = 2 * p * BI + t
+                        if p == 0:
+                            pr.nxt[0] = Indices[s_i, T.min(pos, topk - 1)]
+                        pr.slot[0] = T.if_then_else(pos < limit, pr.nxt[0], -1)
+                        pr.nxt[0] = Indices[s_i, T.min(pos + 2 * BI, topk - 1)]  # next pair's (clamped)
+                        # Entry s < n_slots0 is cache 0's slot s, n_slots0 <= s < n_slots0 + n_slots1 is cache
+                        # 1's slot s - n_slots0; anything else (or past the limit) is invalid: slot -1 below.
+                        pr.sel[0] = T.if_then_else(pr.slot[0] >= n_slots0, 1, 0)  # cache bit
+                        pr.slot[0] = T.if_then_else(
+                            (pr.slot[0] >= 0) & (pr.slot[0] < n_slots0 + n_slots1),
+                            pr.slot[0] - T.if_then_else(pr.sel[0] != 0, n_slots0, 0), -1)  # slot in its cache
+                        pr.bb16[0] = T.if_then_else(pr.sel[0] != 0, block_bytes16_1, block_bytes16_0)
+                        pr.row[0] = T.truncdiv(T.max(pr.slot[0], 0), block_size)  # page block
+                        pr.row[1] = T.max(pr.slot[0], 0) - pr.row[0] * block_size  # token in the block
+                        # data offset / 16 < 2^30 (caches <= 16 GiB): bit 30 carries the cache
+                        row_data16[t // BI, t % BI] = T.if_then_else(
+                            pr.slot[0] >= 0,
+                            T.bitwise_or(pr.row[0] * pr.bb16[0] + pr.row[1] * TOKEN_CHUNKS,
+                                         T.shift_left(pr.sel[0], 30)), -1)
+                        # scales at block * block_bytes + block_size * 576 + token * 8 (in the row's cache; used
+                        # only when valid)
+                        row_scale8[t // BI, t % BI] = (pr.row[0] * pr.bb16[0] * 2 + block_size * (TOKEN_BYTES // 8)
+                                                       + pr.row[1])
+                        if (k > 0) & (p == 0):
+                            # the previous item was drained: nothing pending
+                            fill_pair(g, pr, GATHER_ORDER_NEXT_ITEM, phase, t, False)
+                        else:
+                            fill_pair(g, pr, GATHER_ORDER, phase, t, p > 0)
+                    # Drain: the item's last half ((1, 0) of its last pair) before q_free (which needs the
+                    # consumers' last S, which needs that half).
+                    T.evaluate(T.call_extern("handle", "fp8_cp_wait", 0))
+                    convert_half(g, pr, 1, 0, t)
+
+    return kernel
+
+
+_DUMMY_TOPK_LENGTH: dict[torch.device, torch.Tensor] = {}
+_DUMMY_SINK: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+@functools.cache
+def compiled_kernel(h_q: int):
+    """Compiled once per process and h_q; TileLang's disk cache (TILELANG_CACHE_DIR) makes later
+    processes skip nvcc."""
+    return tilelang.compile(paged_fp8_program(h_q), target=SM90_TARGET, pass_configs=PASS_CONFIGS)
+
+
+def cache_views(cache: torch.Tensor, name: str = "cache"
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
+    """(flat uint8, flat e4m3, flat bf16 views of the cache's bytes, n_slots, block_size, block_bytes16)
+    for a MODEL1 cache [num_blocks, block_size, 1, 584] (uint8, or float8_e4m3fn, as from
+    kv_quant.new_fp8_kv_cache). The flat views cover the block bytes from the first block's start to
+    the last block's data (a block's padding past its block_size * 584 bytes is never read).
+    Errors name the argument `name`."""
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(cache).__name__}")
+    if cache.dtype not in (torch.uint8, torch.float8_e4m3fn):
+        raise TypeError(f"{name}: expected dtype torch.uint8 (or torch.float8_e4m3fn, the same bytes), "
+                        f"got {cache.dtype}")
+    if cache.dim() != 4 or cache.size(2) != 1 or cache.size(3) != kv_quant.MODEL1.bytes_per_token:
+        raise ValueError(f"{name}: expected shape [num_blocks, block_size, 1, {kv_quant.MODEL1.bytes_per_token}] "
+                         f"(MODEL1), got {tuple(cache.shape)}")
+    num_blocks, block_size = cache.shape[:2]
+    if num_blocks < 1 or block_size < 1:
+        raise ValueError(f"{name}: expected num_blocks >= 1 and block_size >= 1, got shape {tuple(cache.shape)}")
+    layout = kv_quant.MODEL1
+    if cache.stride(3) != 1 or cache.stride(1) != layout.bytes_per_token:
+        raise ValueError(f"{name}: expected token stride {layout.bytes_per_token} and a contiguous last dim, "
+                         f"got strides {cache.stride()}")
+    if num_blocks > 1 and cache.stride(0) < block_size * layout.bytes_per_token:
+        raise ValueError(f"{name}: block stride {cache.stride(0)} overlaps blocks of {block_size} tokens")
+    cache_u8 = cache.view(torch.uint8)
+    stride0 = cache_u8.stride(0) if num_blocks > 1 else kv_quant.block_bytes(layout, block_size)
+    # 16-byte cp.async: every token's data (block * stride0 + t * 576) must be 16-byte aligned.
+    if stride0 % 16 != 0 or cache_u8.data_ptr() % 16 != 0:
+        raise ValueError(f"{name}: expected a 16-byte aligned base and block stride, got data_ptr % 16 = "
+                         f"{cache_u8.data_ptr() % 16}, block stride {stride0} (strides {cache_u8.stride()})")
+    n_bytes = (num_blocks - 1) * stride0 + block_size * layout.bytes_per_token
+    if n_bytes + block_size * 576 >= 2 ** 34:  # the kernel's int32 (data / 16 in 30 bits, scales / 8) offsets
+        raise ValueError(f"{name}: {n_bytes} bytes; this kernel addresses at most 16 GiB per cache")
+    flat = torch.as_strided(cache_u8, (n_bytes,), (1,))
+    return (flat, flat.view(torch.float8_e4m3fn), flat.view(torch.bfloat16), num_blocks * block_size,
+            block_size, stride0 // 16)
+
+
+def sparse_mla_fwd_sm90_paged_fp8(q: torch.Tensor, cache0: torch.Tensor, cache1: torch.Tensor | None,
+                                       indices: torch.Tensor, sm_scale: float,
+                                       attn_sink: torch.Tensor | None = None,
+                                       topk_length: torch.Tensor | None = None
+                                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [s_q, h_q, 512] bf16; cache0, cache1 [num_blocks_i, block_size, 1, 584] uint8 MODEL1 (kv_quant;
+    separate tensors, any num_blocks each, the same block_size; cache1 may be None); indices [s_q, topk] or
+    [s_q, 1, topk] int32: entry s in [0, n_slots0) is cache0's slot s, s in [n_slots0, n_slots0 + n_slots1)
+    is cache1's slot s - n_slots0 (n_slots_i = num_blocks_i * block_size), anything else is invalid (masked,
+    never read). One softmax over all of a query's entries.
+    -> (out [s_q, h_q, 512] bf16, lse [s_q, h_q] fp32 base 2)."""
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or q.dim() != 3 or q.size(2) != D_QK:
+        raise TypeError(f"q: expected a bf16 tensor [s_q, h_q, {D_QK}], got "
+                        f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+    s_q, h_q = q.shape[:2]
+    if h_q not in (64, 128):
+        raise ValueError(f"q: expected h_q 64 or 128, got {h_q}")
+    if q.device.type != "cuda":
+        raise ValueError(f"q: expected a CUDA tensor (the kernel is built for sm_90a), got device {q.device}")
+    if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32:
+        raise TypeError(f"indices: expected an int32 tensor, got {getattr(indices, 'dtype', type(indices).__name__)}")
+    if indices.dim() == 3 and indices.size(1) == 1:
+        indices = indices[:, 0, :]
+    if indices.dim() != 2 or indices.size(0) != s_q or indices.size(1) < 1:
+        raise ValueError(f"indices: expected shape [{s_q}, topk >= 1], got {tuple(indices.shape)}")
+    if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale: expected a finite positive float, got {sm_scale!r}")
+    if topk_length is not None and (not isinstance(topk_length, torch.Tensor) or topk_length.dtype != torch.int32
+                                    or tuple(topk_length.shape) != (s_q,)):
+        raise ValueError(f"topk_length: expected int32 [{s_q}], got {getattr(topk_length, 'dtype', None)} "
+                         f"{tuple(getattr(topk_length, 'shape', ()))}")
+    if attn_sink is not None and (not isinstance(attn_sink, torch.Tensor) or attn_sink.dtype != torch.float32
+                                  or tuple(attn_sink.shape) != (h_q,)):
+        raise ValueError(f"attn_sink: expected fp32 [{h_q}], got {getattr(attn_sink, 'dtype', None)} "
+                         f"{tuple(getattr(attn_sink, 'shape', ()))}")
+    c0_u8, c0_e4m3, c0_bf16, n_slots0, block_size, block_bytes16_0 = cache_views(cache0, "cache0")
+    if cache1 is None:
+        # one cache: cache 1 = cache 0's views, never selected (no entry maps to it)
+        c1_u8, c1_e4m3, c1_bf16, n_slots1, block_bytes16_1 = c0_u8, c0_e4m3, c0_bf16, 0, block_bytes16_0
+    else:
+        c1_u8, c1_e4m3, c1_bf16, n_slots1, block_size1, block_bytes16_1 = cache_views(cache1, "cache1")
+        if block_size1 != block_size:
+            raise ValueError(f"cache1: expected the same block_size as cache0 ({block_size}), got {block_size1}")
+    if n_slots0 + n_slots1 >= 2 ** 31:
+        raise ValueError(f"cache0, cache1: {n_slots0} + {n_slots1} slots; the int32 indices address < 2^31")
+    for name, t in (("cache0", cache0), ("cache1", cache1), ("indices", indices), ("topk_length", topk_length),
+                    ("attn_sink", attn_sink)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (same as q), got {t.device}")
+    out = torch.empty((s_q, h_q, D_V), dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
+    if s_q == 0:
+        return out, lse
+    device = q.device
+    if topk_length is None:
+        lengths = _DUMMY_TOPK_LENGTH.get(device)
+        if lengths is None:
+            lengths = _DUMMY_TOPK_LENGTH[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    else:
+        lengths = _dense(topk_length)
+    if attn_sink is None:
+        sink = _DUMMY_SINK.get((device, h_q))
+        if sink is None:
+            sink = _DUMMY_SINK[(device, h_q)] = torch.zeros(h_q, dtype=torch.float32, device=device)
+    else:
+        sink = _dense(attn_sink)
+    kernel = compiled_kernel(h_q)
+    n_ctas = min(s_q * (h_q // HEADS_PER_CTA), sm_count(device))
+    kernel(_dense(q), c0_e4m3, c0_u8, c0_bf16, c1_e4m3, c1_u8, c1_bf16, _dense(indices), lengths, sink, out, lse,
+           float(sm_scale) * LOG2E, int(topk_length is not None), int(attn_sink is not None), n_ctas,
+           n_slots0, n_slots1, block_size, block_bytes16_0, block_bytes16_1)
+    return out, lse
