@@ -242,10 +242,10 @@ def test_engine_fp8_kv_cache_matches_fp8_emulating_oracle(checkpoint, prompts, o
 
 @pytest.mark.gpu
 def test_engine_paged_fp8_decode_matches_the_gather_path(checkpoint, prompts, backend_env, monkeypatch):
-    """bf16 engine, fp8 stores, TileLang: decode through the paged fp8 kernel (threshold lowered to one
-    query) against decode through gather_dequant + the bf16 kernel (threshold out of reach). Both
-    attend over the same bf16 values in the same order with the same split (the kernels' equality is
-    tested bit for bit in tests/test_attn_sm90.py), so tokens must be equal and logits (nearly) so."""
+    """bf16 engine, fp8 stores, TileLang: decode through the paged fp8 kernel (the engine's path)
+    against decode through gather_dequant + the bf16 kernel (paged_fp8_supported() patched to False).
+    Both attend over the same bf16 values in the same order with the same split (the kernels' equality
+    is tested bit for bit in tests/test_attn_sm90.py), so tokens must be equal and logits (nearly) so."""
     pytest.importorskip("tilelang", reason="the paged fp8 kernel is TileLang's")
     from engine.h20_ops import attn_sm90
     from engine.model import deepseek_v4
@@ -261,14 +261,15 @@ def test_engine_paged_fp8_decode_matches_the_gather_path(checkpoint, prompts, ba
     monkeypatch.setattr(deepseek_v4, "decode_attn_sparse_paged_fp8", counting)
     names = list(prompts)
     results = {}
-    for threshold in (1, 1 << 30):
-        monkeypatch.setattr(deepseek_v4, "PAGED_FP8_MIN_QUERIES", threshold)
+    for paged in (True, False):
+        if not paged:
+            monkeypatch.setattr(sparse_mla, "paged_fp8_supported", lambda backend=None: False)
         calls.clear()
         engine = Engine(checkpoint, device="cuda", dtype=torch.bfloat16, kv_cache_dtype="fp8")
-        results[threshold] = engine.generate([Request(n, prompts[n][0], prompts[n][1]) for n in names])
-        assert bool(calls) == (threshold == 1), f"paged fp8 decode calls at threshold {threshold}: {len(calls)}"
+        results[paged] = engine.generate([Request(n, prompts[n][0], prompts[n][1]) for n in names])
+        assert bool(calls) == paged, f"paged fp8 decode calls (paged {paged}): {len(calls)}"
         _all_pages_free(engine)
-    for name, paged, gathered in zip(names, results[1], results[1 << 30]):
+    for name, paged, gathered in zip(names, results[True], results[False]):
         assert paged.output_ids == gathered.output_ids, f"{name}: paged {paged.output_ids} vs {gathered.output_ids}"
         diff = float((paged.step_logits - gathered.step_logits).abs().max())
         print(f"{name}: logits max |paged - gather| {diff:.3g}")

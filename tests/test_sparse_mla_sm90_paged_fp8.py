@@ -2,8 +2,8 @@
 (engine.h20_ops.sparse_mla_sm90_paged_fp8).
 
 CPU: both variants (h_q 64, 128) lower and nvcc-compile for sm_90a; ptxas keeps the wgmmas
-asynchronous without spills; the producer stages the fp8 bytes with 16-byte cp.async and O leaves by
-TMA; bad caches are rejected by name. GPU (@pytest.mark.gpu): against the float32 oracle on the
+asynchronous without spills; the producer stages the fp8 bytes with 16-byte cp.async, the consumers
+convert them behind their own barriers, and O leaves by TMA; bad caches are rejected by name. GPU (@pytest.mark.gpu): against the float32 oracle on the
 torch-dequantized rows of both caches (cache 0's rows, then cache 1's: the kernel's indices are
 absolute rows of that concatenation), with invalid fillers, lengths, sinks and e4m3 NaN codes in every
 slot no valid entry selects."""
@@ -32,10 +32,12 @@ def test_kernel_compiles_async_without_spills(h_q):
 
     kernel = tilelang.compile(fp8.paged_fp8_program(h_q), target=fp8.SM90_TARGET, pass_configs=fp8.PASS_CONFIGS)
     src = kernel.get_kernel_source()
-    assert "fp8_cp16s(" in src and "fp8_cvt_row4(" in src and "fp8_cvt_row3(" in src
+    assert "fp8_cp16s(" in src and src.count("fp8_cvt_row4(") == 1 + 2 and src.count("fp8_cvt_row3(") == 1 + 2
     assert src.count("tma_store(") == 2 and "Out[" not in src
-    # Q arrives on its own barrier (q_ready): one cp.async arrive, the ring's halves arrive after conversion
-    assert src.count("mbarrier_cp_async_arrive_noinc(") == 1 and "__launch_bounds__(384, 1)" in src
+    # cp.async arrivals: Q's (q_ready) and each half's in both gather orders; each consumer converts the
+    # halves it reads first behind its own 128-thread barrier (named barriers 6 and 7)
+    assert src.count("mbarrier_cp_async_arrive_noinc(") == 1 + 2 * 4 and "__launch_bounds__(384, 1)" in src
+    assert src.count("sync_thread_partial(6, 128)") == 2 and src.count("sync_thread_partial(7, 128)") == 2
     ptx = kernel._get_ptx()
     assert "cp.async.cg.shared.global" in ptx
     if shutil.which("ptxas") is None:

