@@ -620,6 +620,56 @@ def test_paged_slot_ids_keep_invalid_entries_invalid(with_extra):
     assert torch.equal(got[:, :used].cpu(), want)
 
 
+def test_paged_decode_bad_inputs_name_the_argument(ref_backend):
+    from engine.h20_ops import kv_quant
+
+    b, s_q = 2, 1
+    good = dict(
+        q=torch.zeros(b, s_q, H, D, dtype=torch.bfloat16, device=DEVICE),
+        cache=kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, 2, 16, DEVICE),
+        slots=torch.zeros(b, 8, dtype=torch.int64, device=DEVICE),
+        indices=torch.zeros(b, s_q, 4, dtype=torch.int32, device=DEVICE),
+        extra_cache=kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, 3, 16, DEVICE),
+        extra_slots=torch.zeros(b, 6, dtype=torch.int32, device=DEVICE),
+        extra_indices=torch.zeros(b, s_q, 5, dtype=torch.int32, device=DEVICE),
+        topk_length=torch.zeros(b, dtype=torch.int32, device=DEVICE),
+        extra_topk_length=torch.zeros(b, dtype=torch.int32, device=DEVICE),
+        attn_sink=torch.zeros(H, dtype=torch.float32, device=DEVICE),
+    )
+
+    def call(**changes):
+        args = {**good, **changes}
+        q, cache, slots, indices = (args.pop(k) for k in ("q", "cache", "slots", "indices"))
+        return attn.decode_attn_sparse_paged_fp8(q, cache, slots, indices, SCALE, **args)
+
+    cases = [
+        (TypeError, "^q:", dict(q=good["q"].float())),
+        (ValueError, "^q:", dict(q=good["q"][:, :0])),
+        (TypeError, "^cache:", dict(cache=good["cache"].view(torch.int8))),
+        (ValueError, "^cache:", dict(cache=torch.zeros(2, 16, 1, 656, dtype=torch.uint8, device=DEVICE))),
+        (TypeError, "^slots:", dict(slots=good["slots"].float())),
+        (ValueError, "^slots:", dict(slots=good["slots"][:1])),
+        (ValueError, "^indices:", dict(indices=good["indices"][:, :, :0])),
+        (TypeError, "^topk_length:", dict(topk_length=good["topk_length"].long())),
+        (ValueError, "^extra_cache, extra_slots, extra_indices:", dict(extra_slots=None)),
+        (ValueError, "^extra_topk_length:", dict(extra_cache=None, extra_slots=None, extra_indices=None)),
+        (ValueError, "^extra_cache:", dict(extra_cache=good["extra_cache"][:, :, :, :583])),
+        (ValueError, "^extra_slots:", dict(extra_slots=good["extra_slots"][:, :0])),
+        (ValueError, "^extra_indices:", dict(extra_indices=good["extra_indices"][:1])),
+        (ValueError, "^extra_topk_length:", dict(extra_topk_length=good["extra_topk_length"][:1])),
+        (ValueError, "^attn_sink:", dict(attn_sink=good["attn_sink"][:3])),
+        (TypeError, "^softmax_scale:", None),
+    ]
+    for error, match, changes in cases:
+        with pytest.raises(error, match=match):
+            if changes is None:
+                attn.decode_attn_sparse_paged_fp8(good["q"], good["cache"], good["slots"], good["indices"], "0.1")
+            else:
+                call(**changes)
+    with pytest.raises(ValueError, match="^backend:"):  # valid arguments reach the dispatcher
+        call()
+
+
 def test_paged_fp8_needs_the_tilelang_backend(default_backend):
     if sparse_mla.resolve_backend() == "tilelang":
         pytest.skip("TileLang resolved: the kernel itself is tested in tests/test_sparse_mla_sm90_paged_fp8.py")

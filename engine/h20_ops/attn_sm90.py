@@ -42,8 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.h20_ops import sm_count, sparse_mla
-from engine.h20_ops.checks import check_decode_args, check_sink, require_same_device, require_scale, require_tensor
+from engine.h20_ops import kv_quant, sm_count, sparse_mla
+from engine.h20_ops.checks import (check_decode_args, check_paged_decode_args, check_sink, require_same_device,
+                                   require_scale, require_tensor)
 
 D_V = 512
 HEADS_PER_PROGRAM = 64  # the kernels' head tile
@@ -165,19 +166,10 @@ def decode_attn_sparse_paged_fp8(q, cache, slots, indices, softmax_scale, *, att
     by the first cache's slot count), one kernel launch (+ q copy and merge with the split).
     Returns (out [B, s_q, H, 512] bf16, lse [B, s_q, H] fp32 base 2; +inf for empty rows)."""
     softmax_scale = require_scale("softmax_scale", softmax_scale)
-    require_tensor("q", q, dtypes=(torch.bfloat16,), ndim=4)
-    batch, s_q = q.shape[:2]
-    require_tensor("slots", slots, dtypes=(torch.int32, torch.int64), ndim=2)
-    require_tensor("indices", indices, dtypes=(torch.int32,), ndim=3)
-    if tuple(slots.shape[:1]) != (batch,) or tuple(indices.shape[:2]) != (batch, s_q):
-        raise ValueError(f"slots / indices: expected [{batch}, W] / [{batch}, {s_q}, topk], got "
-                         f"{tuple(slots.shape)} / {tuple(indices.shape)}")
+    _require_decode_q(q, (torch.bfloat16,))
+    check_paged_decode_args(q, cache, slots, indices, attn_sink, topk_length, extra_cache, extra_slots,
+                            extra_indices, extra_topk_length, bytes_per_token=kv_quant.MODEL1.bytes_per_token)
     has_extra = extra_cache is not None
-    if has_extra != (extra_slots is not None) or has_extra != (extra_indices is not None):
-        raise ValueError("extra_cache, extra_slots, extra_indices: expected all three or none")
-    if has_extra and (tuple(extra_slots.shape[:1]) != (batch,) or tuple(extra_indices.shape[:2]) != (batch, s_q)):
-        raise ValueError(f"extra_slots / extra_indices: expected [{batch}, E] / [{batch}, {s_q}, etopk], got "
-                         f"{tuple(extra_slots.shape)} / {tuple(extra_indices.shape)}")
     n_slots = (cache.size(0) * cache.size(1), extra_cache.size(0) * extra_cache.size(1) if has_extra else 0)
 
     def build(out_len):
@@ -194,9 +186,7 @@ def decode_attn_sparse_paged_fp8(q, cache, slots, indices, softmax_scale, *, att
 
 def _check_decode_args(q, kv_windows, indices, attn_sink, topk_length, extra_kv_windows, extra_indices,
                        extra_topk_length) -> None:
-    require_tensor("q", q, dtypes=_Q_DTYPES, ndim=4)
-    if q.size(0) < 1 or q.size(1) < 1:
-        raise ValueError(f"q: expected at least one request and one query token, got shape {tuple(q.shape)}")
+    _require_decode_q(q, _Q_DTYPES)
     check_decode_args(q, kv_windows, indices, attn_sink, topk_length, extra_kv_windows, extra_indices,
                       extra_topk_length, kv_name="kv_windows", extra_kv_name="extra_kv_windows")
     # The kernel views the windows as rows of one strided tensor: at least one row, contiguous rows.
@@ -205,6 +195,12 @@ def _check_decode_args(q, kv_windows, indices, attn_sink, topk_length, extra_kv_
             raise ValueError(f"{name}: expected at least one row per request, got shape {tuple(kv.shape)}")
         if kv is not None and kv.stride(3) != 1:
             raise ValueError(f"{name}: the last dim must be contiguous, got strides {kv.stride()}")
+
+
+def _require_decode_q(q, dtypes) -> None:
+    require_tensor("q", q, dtypes=dtypes, ndim=4)
+    if q.size(0) < 1 or q.size(1) < 1:
+        raise ValueError(f"q: expected at least one request and one query token, got shape {tuple(q.shape)}")
 
 
 def _check_splits(num_splits) -> int:

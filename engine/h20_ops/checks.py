@@ -122,19 +122,60 @@ def check_sink(attn_sink, h_q: int) -> None:
             raise ValueError(f"attn_sink: expected shape [{h_q}] (q's h_q), got {tuple(attn_sink.shape)}")
 
 
-def _check_decode_cache(kv_name: str, kv, idx_name: str, indices, len_name: str, lengths, q: torch.Tensor) -> None:
-    b, s_q, _, d = q.shape
-    require_tensor(kv_name, kv, dtypes=(q.dtype,), ndim=4)
+def _check_decode_lists(idx_name: str, indices, len_name: str, lengths, q: torch.Tensor) -> None:
+    """indices [B, s_q, topk >= 1] int32 and lengths [B] int32 (or None) of a decode call with q
+    [B, s_q, h_q, d]."""
+    b, s_q = q.shape[:2]
     require_tensor(idx_name, indices, dtypes=(torch.int32,), ndim=3)
-    require_same_device("q", q, **{kv_name: kv, idx_name: indices, len_name: lengths})
-    if kv.size(0) != b or kv.size(2) != 1 or kv.size(3) != d:
-        raise ValueError(f"{kv_name}: expected shape [{b}, N, 1, {d}], got {tuple(kv.shape)}")
+    require_same_device("q", q, **{idx_name: indices, len_name: lengths})
     if indices.size(0) != b or indices.size(1) != s_q or indices.size(2) < 1:
         raise ValueError(f"{idx_name}: expected shape [{b}, {s_q}, topk>=1], got {tuple(indices.shape)}")
     if lengths is not None:
         require_tensor(len_name, lengths, dtypes=(torch.int32,), ndim=1)
         if lengths.size(0) != b:
             raise ValueError(f"{len_name}: expected shape [{b}] (one per request), got {tuple(lengths.shape)}")
+
+
+def _check_decode_cache(kv_name: str, kv, idx_name: str, indices, len_name: str, lengths, q: torch.Tensor) -> None:
+    b, _, _, d = q.shape
+    require_tensor(kv_name, kv, dtypes=(q.dtype,), ndim=4)
+    require_same_device("q", q, **{kv_name: kv})
+    if kv.size(0) != b or kv.size(2) != 1 or kv.size(3) != d:
+        raise ValueError(f"{kv_name}: expected shape [{b}, N, 1, {d}], got {tuple(kv.shape)}")
+    _check_decode_lists(idx_name, indices, len_name, lengths, q)
+
+
+def _check_paged_cache(cache_name: str, cache, bytes_per_token: int, slots_name: str, slots, idx_name: str,
+                       indices, len_name: str, lengths, q: torch.Tensor) -> None:
+    require_tensor(cache_name, cache, dtypes=(torch.uint8, torch.float8_e4m3fn), ndim=4)
+    if cache.size(2) != 1 or cache.size(3) != bytes_per_token:
+        raise ValueError(f"{cache_name}: expected shape [num_blocks, block_size, 1, {bytes_per_token}], "
+                         f"got {tuple(cache.shape)}")
+    require_tensor(slots_name, slots, dtypes=(torch.int32, torch.int64), ndim=2)
+    require_same_device("q", q, **{cache_name: cache, slots_name: slots})
+    if slots.size(0) != q.size(0) or slots.size(1) < 1:
+        raise ValueError(f"{slots_name}: expected shape [{q.size(0)}, W>=1] (one slot table per request), "
+                         f"got {tuple(slots.shape)}")
+    _check_decode_lists(idx_name, indices, len_name, lengths, q)
+
+
+def check_paged_decode_args(q: torch.Tensor, cache, slots, indices, attn_sink, topk_length, extra_cache,
+                            extra_slots, extra_indices, extra_topk_length, *, bytes_per_token: int) -> None:
+    """Decode over paged caches (q already checked as [B, s_q, h_q, d]): cache [num_blocks, block_size,
+    1, bytes_per_token] uint8 / e4m3 with per-request slot tables slots [B, W] and indices [B, s_q, topk]
+    int32 into them, topk_length [B]; the same for the optional extra cache; sink [h_q]."""
+    _check_paged_cache("cache", cache, bytes_per_token, "slots", slots, "indices", indices, "topk_length",
+                       topk_length, q)
+    extras = (extra_cache, extra_slots, extra_indices)
+    if any(t is None for t in extras) and any(t is not None for t in extras):
+        raise ValueError("extra_cache, extra_slots, extra_indices: pass all three or none")
+    if extra_topk_length is not None and extra_cache is None:
+        raise ValueError("extra_topk_length: given without extra_cache / extra_slots / extra_indices")
+    if extra_cache is not None:
+        _check_paged_cache("extra_cache", extra_cache, bytes_per_token, "extra_slots", extra_slots,
+                           "extra_indices", extra_indices, "extra_topk_length", extra_topk_length, q)
+    require_same_device("q", q, attn_sink=attn_sink)
+    check_sink(attn_sink, q.size(2))
 
 
 def check_decode_args(q: torch.Tensor, kv, indices, attn_sink, topk_length, extra_kv, extra_indices,
