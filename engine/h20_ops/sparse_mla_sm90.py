@@ -131,6 +131,25 @@ def consumer_parts(h_q: int, d_qk: int, after_ready=None) -> types.SimpleNamespa
         if ns.q_ready is not None:
             T.barrier_wait(ns.q_ready, k & 1)
 
+    q_chunks = tuple(range(d_qk // 64))  # (a tuple: unrolled at trace time, so the branches below fold)
+
+    @T.macro
+    def load_q(ns, Q, s_i, h0, t):
+        """Producer thread t's share of the item's Q (query row s_i, heads h0..h0+63): 16-byte cp.async
+        of chunk t % 8 + 8 c of rows 16 r + t // 8 into q_l / q_r / q_t."""
+        for r in T.unroll(H // 16):
+            j = r * 16 + t // 8
+            for c in q_chunks:
+                col = c * 64 + t % 8 * 8
+                if c * 64 < DH:
+                    T.ptx_cp_async(T.access_ptr(ns.q_l[j, col], "w", 8), T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
+                elif c * 64 < D_V:
+                    T.ptx_cp_async(T.access_ptr(ns.q_r[j, col - DH], "w", 8),
+                                   T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
+                else:
+                    T.ptx_cp_async(T.access_ptr(ns.q_t[j, col - D_V], "w", 8),
+                                   T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
+
     def ring(*, q_l, q_r, q_t, kv_l, kv_r, k_t, p_smem, valid, max_smem, sum_smem, final_smem, Out, Lse, Sink,
              use_sink, scale2, bx, n_ctas, n_items, topk, with_q_ready):
         """Call in the prim_func after its shared buffers: allocates the ring's mbarriers and returns the
@@ -289,8 +308,8 @@ def consumer_parts(h_q: int, d_qk: int, after_ready=None) -> types.SimpleNamespa
             T.copy(ns.kv_r[1], ns.Out[s_i, h0:h0 + H, DH:D_V])
             T.barrier_arrive(ns.free_r[1])
 
-    return types.SimpleNamespace(fragments=consumer_fragments, ring=ring, item_rows=item_rows, consumer0=consumer0,
-                                 consumer1=consumer1)
+    return types.SimpleNamespace(fragments=consumer_fragments, ring=ring, item_rows=item_rows, load_q=load_q,
+                                 consumer0=consumer0, consumer1=consumer1)
 
 
 def sparse_mla_program(h_q: int, d_qk: int):
@@ -410,19 +429,7 @@ def sparse_mla_program(h_q: int, d_qk: int):
                         # The next item's Q (and then its first gathers) overlaps this item's last
                         # P V and epilogue.
                         T.barrier_wait(ring.q_free, (k - 1) & 1)
-                    for r in T.unroll(passes):
-                        j = r * rows_per_pass + t // 8
-                        for c in chunk_groups:
-                            col = c * 64 + t % 8 * 8
-                            if c * 64 < DH:
-                                T.ptx_cp_async(T.access_ptr(q_l[j, col], "w", 8),
-                                               T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
-                            elif c * 64 < D_V:
-                                T.ptx_cp_async(T.access_ptr(q_r[j, col - DH], "w", 8),
-                                               T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
-                            else:
-                                T.ptx_cp_async(T.access_ptr(q_t[j, col - D_V], "w", 8),
-                                               T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
+                    consumers.load_q(ring, Q, s_i, h0, t)
                     for p in T.serial(ring.n_pairs):
                         phase = ((k * ring.n_pairs + p) & 1) ^ 1
                         # Index loads are issued before waiting for the slots, hiding their latency.

@@ -152,7 +152,6 @@ def paged_fp8_program(h_q: int):
     # ---- producer (the module docstring says how it stages and converts; the macros say what each step does) ----
     rows_per_pass = 32  # 4 threads per ring row
     passes = BI // rows_per_pass
-    chunk_groups = tuple(range(D_QK // 64))  # Q: 16-byte chunk t % 8 + 8 c of a row per producer thread
 
     def producer_registers():
         """Producer-thread locals (allocated once; a plain helper may allocate, see consumer_fragments)."""
@@ -329,16 +328,7 @@ def paged_fp8_program(h_q: int):
                         # The next item's Q (and then its first rows) overlaps this item's last
                         # P V and epilogue.
                         T.barrier_wait(ring.q_free, (k - 1) & 1)
-                    for r in T.unroll(BI // 16):
-                        j = r * 16 + t // 8
-                        for c in chunk_groups:
-                            col = c * 64 + t % 8 * 8
-                            if c * 64 < DH:
-                                T.ptx_cp_async(T.access_ptr(q_l[j, col], "w", 8),
-                                               T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
-                            else:
-                                T.ptx_cp_async(T.access_ptr(q_r[j, col - DH], "w", 8),
-                                               T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
+                    consumers.load_q(ring, Q, s_i, h0, t)
                     T.cp_async_barrier_noinc(ring.q_ready)
                     for p in T.serial(ring.n_pairs):
                         phase = ((k * ring.n_pairs + p) & 1) ^ 1
