@@ -134,9 +134,13 @@ def consumer_parts(h_q: int, d_qk: int, after_ready=None) -> types.SimpleNamespa
     q_chunks = tuple(range(d_qk // 64))  # (a tuple: unrolled at trace time, so the branches below fold)
 
     @T.macro
-    def load_q(ns, Q, s_i, h0, t):
-        """Producer thread t's share of the item's Q (query row s_i, heads h0..h0+63): 16-byte cp.async
-        of chunk t % 8 + 8 c of rows 16 r + t // 8 into q_l / q_r / q_t."""
+    def load_q(ns, Q, k, s_i, h0, t):
+        """Producer thread t's share of the CTA's k-th item's Q (query row s_i, heads h0..h0+63): for
+        k > 0 it first waits until both consumers' last S of the previous item is done (so the next Q
+        and first rows overlap that item's last P V and epilogue), then 16-byte cp.async of chunk
+        t % 8 + 8 c of rows 16 r + t // 8 into q_l / q_r / q_t."""
+        if k > 0:
+            T.barrier_wait(ns.q_free, (k - 1) & 1)
         for r in T.unroll(H // 16):
             j = r * 16 + t // 8
             for c in q_chunks:
@@ -425,11 +429,7 @@ def sparse_mla_program(h_q: int, d_qk: int):
                 for k in T.serial(ring.n_local):
                     s_i, h0 = consumers.item_rows(ring, k)
                     limit = T.if_then_else(use_topk_length != 0, T.min(topk, TopkLength[s_i]), topk)
-                    if k > 0:
-                        # The next item's Q (and then its first gathers) overlaps this item's last
-                        # P V and epilogue.
-                        T.barrier_wait(ring.q_free, (k - 1) & 1)
-                    consumers.load_q(ring, Q, s_i, h0, t)
+                    consumers.load_q(ring, Q, k, s_i, h0, t)
                     for p in T.serial(ring.n_pairs):
                         phase = ((k * ring.n_pairs + p) & 1) ^ 1
                         # Index loads are issued before waiting for the slots, hiding their latency.

@@ -324,11 +324,7 @@ def paged_fp8_program(h_q: int):
                 for k in T.serial(ring.n_local):
                     s_i, h0 = consumers.item_rows(ring, k)
                     limit = T.if_then_else(use_topk_length != 0, T.min(topk, TopkLength[s_i]), topk)
-                    if k > 0:
-                        # The next item's Q (and then its first rows) overlaps this item's last
-                        # P V and epilogue.
-                        T.barrier_wait(ring.q_free, (k - 1) & 1)
-                    consumers.load_q(ring, Q, s_i, h0, t)
+                    consumers.load_q(ring, Q, k, s_i, h0, t)
                     T.cp_async_barrier_noinc(ring.q_ready)
                     for p in T.serial(ring.n_pairs):
                         phase = ((k * ring.n_pairs + p) & 1) ^ 1
