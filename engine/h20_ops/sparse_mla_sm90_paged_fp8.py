@@ -27,10 +27,12 @@ arrives on its own barrier (q_ready), waited for by the consumers before an item
 Constraints: h_q 64 or 128, d_qk 512 (MODEL1); caches 16-byte aligned, at most 16 GiB each; e4m3
 scales up to 2^7 (kv_quant writes larger ones only for |x| > 57344).
 
-Speed (H200, docs/decode.md): a CTA's item costs ~8 us per pair of blocks at batch 1 and ~10 us at
-batch 128 (the bf16 kernel ~4 us from L2). Moving the conversion from the producer to the consumers
-gained 1.01-1.13x (batch <= 64, nothing at 128); prefetching the next pairs' rows into L2 gained
-nothing. What binds at batch 128 is not located.
+Speed (H200, docs/decode.md): with one item per SM a pair of blocks costs ~6.6 us: the ring holds one
+pair and every half is read until the pair's last P V (K = V), so a pair's loads (~3.6 us for 75 KB of
+random rows) and its compute (~3 us) run one after the other. Moving the conversion from the producer
+to the consumers gained 1.01-1.13x (batch <= 64); prefetching the next pairs' rows into L2 and a
+schedule that loads the next block during the current one (consumers splitting Q K^T by columns)
+did not help.
 """
 
 import functools

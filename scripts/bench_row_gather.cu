@@ -1,0 +1,109 @@
+// How fast can one CTA per SM gather random 576-byte rows (a MODEL1 token's data) from HBM into shared
+// memory, with no compute: the ceiling of the paged fp8 decode kernel's reads (docs/decode.md).
+// Each of one CTA per SM (128 threads) streams 2560 random rows of a 151 MB cache through a ring of `depth`
+// 64-row slots (depth slots in flight), by cp.async 16 B (the kernel's way: 4 threads per row), by
+// cp.async.bulk (the TMA engine, one copy per row or two per row: 256 + 320 B), or by cp.async 16 B
+// with the L2::256B prefetch hint. Prints a table of GB/s.
+// Build and run on the GPU: nvcc -arch=sm_90a -O3 -o /tmp/bench_row_gather scripts/bench_row_gather.cu && /tmp/bench_row_gather
+#include <cstdio>
+#include <cstdint>
+#include <vector>
+#include <random>
+#include <algorithm>
+#include <cuda_runtime.h>
+
+__device__ __forceinline__ unsigned sp(const void *p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void bar_init(uint64_t *b, unsigned n) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(sp(b)), "r"(n)); }
+__device__ __forceinline__ void bar_wait(uint64_t *b, unsigned ph) {
+  asm volatile("{\n.reg .pred P1;\nW: mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n@P1 bra D;\nbra W;\nD:\n}" ::"r"(sp(b)), "r"(ph));
+}
+__device__ __forceinline__ void bar_expect(uint64_t *b, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(sp(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk(void *dst, const void *src, unsigned bytes, uint64_t *b) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(sp(dst)), "l"(src), "r"(bytes), "r"(sp(b)) : "memory");
+}
+__device__ __forceinline__ void cp16(void *dst, const void *src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sp(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp16_l2(void *dst, const void *src) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(sp(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void noinc(uint64_t *b) { asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(sp(b)) : "memory"); }
+
+constexpr int ROW = 576, BLK = 64;
+
+__global__ void __launch_bounds__(128, 1) gather(const uint8_t *__restrict__ cache, const int *__restrict__ rows,
+                                                 int rows_per_cta, int depth, int mode) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ __align__(8) uint64_t bars[8];
+  const int t = threadIdx.x;
+  if (t == 0)
+    for (int i = 0; i < depth; ++i) bar_init(&bars[i], mode == 0 || mode == 3 ? 128 : 64);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  __syncthreads();
+  const int *my = rows + (size_t)blockIdx.x * rows_per_cta;
+  const int nblk = rows_per_cta / BLK;
+  for (int k = 0; k < nblk; ++k) {
+    const int slot = k % depth;
+    if (k >= depth) bar_wait(&bars[slot], ((k / depth) - 1) & 1);
+    uint8_t *dst = smem + (size_t)slot * BLK * ROW;
+    if (mode == 0 || mode == 3) {  // 64 rows x 36 chunks over 128 threads: 4 threads per row, 2 passes
+      for (int r = 0; r < 2; ++r) {
+        const int j = r * 32 + t / 4;
+        const uint8_t *src = cache + (size_t)my[k * BLK + j] * ROW;
+        for (int c = t % 4; c < 36; c += 4) {
+          if (mode == 0) cp16(dst + j * ROW + c * 16, src + c * 16);
+          else cp16_l2(dst + j * ROW + c * 16, src + c * 16);
+        }
+      }
+      noinc(&bars[slot]);
+    } else if (t < 64) {
+      const uint8_t *src = cache + (size_t)my[k * BLK + t] * ROW;
+      bar_expect(&bars[slot], ROW);
+      if (mode == 1) {
+        bulk(dst + t * ROW, src, ROW, &bars[slot]);
+      } else {
+        bulk(dst + t * ROW, src, 256, &bars[slot]);
+        bulk(dst + t * ROW + 256, src + 256, 320, &bars[slot]);
+      }
+    }
+  }
+  for (int k = (nblk > depth ? nblk - depth : 0); k < nblk; ++k) bar_wait(&bars[k % depth], (k / depth) & 1);
+}
+
+int main() {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  const int n_cache = 256 * 1024;  // 151 MB of rows
+  int rows_per_cta = 640 * 4;
+  std::vector<int> h(sms * rows_per_cta);
+  std::mt19937 g(1);
+  std::uniform_int_distribution<int> d(0, n_cache - 1);
+  for (auto &x : h) x = d(g);
+  uint8_t *cache; int *rows; uint8_t *flush;
+  cudaMalloc(&cache, (size_t)n_cache * ROW); cudaMemset(cache, 1, (size_t)n_cache * ROW);
+  cudaMalloc(&flush, 256 << 20);
+  cudaMalloc(&rows, h.size() * 4); cudaMemcpy(rows, h.data(), h.size() * 4, cudaMemcpyHostToDevice);
+  cudaFuncSetAttribute(gather, cudaFuncAttributeMaxDynamicSharedMemorySize, 6 * BLK * ROW);
+  cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
+  const char *names[] = {"cp.async 16B", "bulk 576B/row", "bulk 256+320B", "cp.async 16B L2::256B"};
+  printf("| mode | depth (64-row blocks in flight) | us | GB/s total | GB/s per SM |\n|---|---|---|---|---|\n");
+  for (int mode = 0; mode < 4; ++mode)
+    for (int depth : {1, 2, 3, 4, 6}) {
+      float best = 1e9;
+      for (int it = 0; it < 5; ++it) {
+        cudaMemset(flush, it, 256 << 20);
+        cudaEventRecord(a);
+        gather<<<sms, 128, depth * BLK * ROW>>>(cache, rows, rows_per_cta, depth, mode);
+        cudaEventRecord(b); cudaEventSynchronize(b);
+        float ms; cudaEventElapsedTime(&ms, a, b); best = std::min(best, ms);
+      }
+      cudaError_t e = cudaGetLastError();
+      if (e != cudaSuccess) { printf("error %s\n", cudaGetErrorString(e)); return 1; }
+      double bytes = (double)sms * rows_per_cta * ROW;
+      printf("| %s | %d | %.1f | %.0f | %.1f |\n", names[mode], depth, best * 1e3, bytes / best / 1e6, bytes / best / 1e6 / sms);
+    }
+  return 0;
+}
