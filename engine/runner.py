@@ -138,6 +138,11 @@ class Engine:
             raise ValueError(f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype: expected torch.float32 or torch.bfloat16, got {dtype}")
+        if dtype == torch.float32 and sparse_mla.resolve_backend() == "tilelang":
+            # Fail here, not in the first forward: the TileLang sparse MLA kernels take bf16 only.
+            raise ValueError("dtype: torch.float32 needs a sparse MLA backend that computes in float32 (triton "
+                             "or ref), but this process resolved tilelang (bf16-only kernels): use torch.bfloat16, "
+                             "or set DEEPINFER_SPARSE_MLA_BACKEND=triton")
         for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
                             ("num_speculative_tokens", num_speculative_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -10,6 +10,10 @@ The tiny checkpoint's NextN layer has random weights, so its acceptance rate is 
 measure the verify/draft overhead, not a trained drafter's speed-up.
 
     PYTHONPATH=. python3 scripts/nextn_gpu_check.py [--device cuda] [--max-new-tokens 24] [--batch 16]
+
+On a GPU with TileLang, the float32 cases need DEEPINFER_SPARSE_MLA_BACKEND=triton (the TileLang sparse
+MLA kernels are bf16-only; a float32 Engine on tilelang stops at construction and the case is reported
+as raised).
 """
 
 from __future__ import annotations

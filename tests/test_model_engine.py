@@ -276,6 +276,16 @@ def test_engine_paged_fp8_decode_matches_the_gather_path(checkpoint, prompts, ba
         assert diff <= 1e-2, f"{name}: per-step logits differ by {diff}"
 
 
+def test_engine_rejects_float32_on_tilelang(checkpoint, backend_env, monkeypatch):
+    """The TileLang sparse MLA kernels take bf16 only: a float32 engine on a process that resolved
+    tilelang fails at construction, naming dtype and the way out, instead of in its first forward."""
+    backend_env()
+    monkeypatch.setattr(sparse_mla, "resolve_backend", lambda: "tilelang")
+    with pytest.raises(ValueError, match=r"dtype: torch.float32 .*tilelang.*DEEPINFER_SPARSE_MLA_BACKEND=triton"):
+        Engine(checkpoint, dtype=torch.float32)
+    Engine(checkpoint, dtype=torch.bfloat16)  # bf16 is what the kernels take
+
+
 def test_engine_rejects_bad_requests(checkpoint, backend_env):
     backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
     engine = Engine(checkpoint, max_seq_len=64)
