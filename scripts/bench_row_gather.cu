@@ -1,9 +1,10 @@
 // How fast can one CTA per SM gather random 576-byte rows (a MODEL1 token's data) from HBM into shared
 // memory, with no compute: the ceiling of the paged fp8 decode kernel's reads (docs/decode.md).
-// Each of one CTA per SM (128 threads) streams 2560 random rows of a 151 MB cache through a ring of `depth`
-// 64-row slots (depth slots in flight), by cp.async 16 B (the kernel's way: 4 threads per row), by
-// cp.async.bulk (the TMA engine, one copy per row or two per row: 256 + 320 B), or by cp.async 16 B
-// with the L2::256B prefetch hint. Prints a table of GB/s.
+// One CTA per SM (128 threads) streams 2560 rows through a ring of `depth` 64-row slots (depth slots in
+// flight); all rows are distinct (a random permutation of a 302 MB cache, so nothing is read twice),
+// copied by cp.async 16 B (the kernel's way: 4 threads per row), by cp.async.bulk (the TMA engine, one
+// copy per row or two per row: 256 + 320 B), or by cp.async 16 B with the L2::256B prefetch hint.
+// Prints a table of GB/s.
 // Build and run on the GPU: nvcc -arch=sm_90a -O3 -o /tmp/bench_row_gather scripts/bench_row_gather.cu && /tmp/bench_row_gather
 #include <cstdio>
 #include <cstdint>
@@ -33,6 +34,7 @@ __device__ __forceinline__ void cp16_l2(void *dst, const void *src) {
 __device__ __forceinline__ void noinc(uint64_t *b) { asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(sp(b)) : "memory"); }
 
 constexpr int ROW = 576, BLK = 64;
+enum Mode { CP_ASYNC = 0, BULK_ROW = 1, BULK_TWO_PIECES = 2, CP_ASYNC_L2_256B = 3, N_MODES = 4 };
 
 __global__ void __launch_bounds__(128, 1) gather(const uint8_t *__restrict__ cache, const int *__restrict__ rows,
                                                  int rows_per_cta, int depth, int mode) {
@@ -40,7 +42,7 @@ __global__ void __launch_bounds__(128, 1) gather(const uint8_t *__restrict__ cac
   __shared__ __align__(8) uint64_t bars[8];
   const int t = threadIdx.x;
   if (t == 0)
-    for (int i = 0; i < depth; ++i) bar_init(&bars[i], mode == 0 || mode == 3 ? 128 : 64);
+    for (int i = 0; i < depth; ++i) bar_init(&bars[i], mode == CP_ASYNC || mode == CP_ASYNC_L2_256B ? 128 : 64);
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   __syncthreads();
   const int *my = rows + (size_t)blockIdx.x * rows_per_cta;
@@ -49,12 +51,12 @@ __global__ void __launch_bounds__(128, 1) gather(const uint8_t *__restrict__ cac
     const int slot = k % depth;
     if (k >= depth) bar_wait(&bars[slot], ((k / depth) - 1) & 1);
     uint8_t *dst = smem + (size_t)slot * BLK * ROW;
-    if (mode == 0 || mode == 3) {  // 64 rows x 36 chunks over 128 threads: 4 threads per row, 2 passes
+    if (mode == CP_ASYNC || mode == CP_ASYNC_L2_256B) {  // 64 rows x 36 chunks, 128 threads: 4 per row, 2 passes
       for (int r = 0; r < 2; ++r) {
         const int j = r * 32 + t / 4;
         const uint8_t *src = cache + (size_t)my[k * BLK + j] * ROW;
         for (int c = t % 4; c < 36; c += 4) {
-          if (mode == 0) cp16(dst + j * ROW + c * 16, src + c * 16);
+          if (mode == CP_ASYNC) cp16(dst + j * ROW + c * 16, src + c * 16);
           else cp16_l2(dst + j * ROW + c * 16, src + c * 16);
         }
       }
@@ -62,7 +64,7 @@ __global__ void __launch_bounds__(128, 1) gather(const uint8_t *__restrict__ cac
     } else if (t < 64) {
       const uint8_t *src = cache + (size_t)my[k * BLK + t] * ROW;
       bar_expect(&bars[slot], ROW);
-      if (mode == 1) {
+      if (mode == BULK_ROW) {
         bulk(dst + t * ROW, src, ROW, &bars[slot]);
       } else {
         bulk(dst + t * ROW, src, 256, &bars[slot]);
@@ -76,12 +78,14 @@ __global__ void __launch_bounds__(128, 1) gather(const uint8_t *__restrict__ cac
 int main() {
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  const int n_cache = 256 * 1024;  // 151 MB of rows
-  int rows_per_cta = 640 * 4;
-  std::vector<int> h(sms * rows_per_cta);
+  const int n_cache = 512 * 1024;  // 302 MB of rows
+  const int rows_per_cta = 640 * 4;
+  if (sms * rows_per_cta > n_cache) { printf("error: %d SMs need more than %d distinct rows\n", sms, n_cache); return 1; }
+  std::vector<int> h(n_cache);
+  for (int i = 0; i < n_cache; ++i) h[i] = i;
   std::mt19937 g(1);
-  std::uniform_int_distribution<int> d(0, n_cache - 1);
-  for (auto &x : h) x = d(g);
+  std::shuffle(h.begin(), h.end(), g);
+  h.resize(sms * rows_per_cta);
   uint8_t *cache; int *rows; uint8_t *flush;
   cudaMalloc(&cache, (size_t)n_cache * ROW); cudaMemset(cache, 1, (size_t)n_cache * ROW);
   cudaMalloc(&flush, 256 << 20);
@@ -90,7 +94,7 @@ int main() {
   cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
   const char *names[] = {"cp.async 16B", "bulk 576B/row", "bulk 256+320B", "cp.async 16B L2::256B"};
   printf("| mode | depth (64-row blocks in flight) | us | GB/s total | GB/s per SM |\n|---|---|---|---|---|\n");
-  for (int mode = 0; mode < 4; ++mode)
+  for (int mode = 0; mode < N_MODES; ++mode)
     for (int depth : {1, 2, 3, 4, 6}) {
       float best = 1e9;
       for (int it = 0; it < 5; ++it) {
