@@ -28,8 +28,8 @@ Constraints: h_q 64 or 128, d_qk 512 (MODEL1); caches 16-byte aligned, at most 1
 scales up to 2^7 (kv_quant writes larger ones only for |x| > 57344).
 
 Speed (H200, docs/decode.md): with one item per SM a pair of blocks costs ~6.6 us: the ring holds one
-pair and every half is read until the pair's last P V (K = V), so a pair's loads (~3.6 us for 75 KB of
-random rows) and its compute (~3 us) run one after the other. Moving the conversion from the producer
+pair and every half is read until the pair's last P V (K = V), so a pair's loads (~3.9 us for 75 KB of
+random rows) and its compute (~2.7 us) run one after the other. Moving the conversion from the producer
 to the consumers gained 1.01-1.13x (batch <= 64); prefetching the next pairs' rows into L2 and a
 schedule that loads the next block during the current one (consumers splitting Q K^T by columns)
 did not help.
