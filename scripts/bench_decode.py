@@ -24,7 +24,12 @@ Columns (times: median of triton.testing.do_bench, L2 flushed before each run):
     HBM bandwidth) with bytes = each request's 640 fp8 rows once + q + out; both rates measured in
     this run (torch bf16 8192^3 GEMM; device-to-device copy of 2 GiB, read + write).
   frac: roofline ms / graph ms (eager frac: roofline ms / step ms).
+--pair-sweep (TileLang): instead, the paged fp8 kernel alone (graph replay) at s_q 1 and the largest
+  batch, for 1 to 10 pairs of 64-entry blocks, with the rows read and with every entry masked by
+  topk_length = 0 (the same work without row reads): the slopes are the cost of a pair with and
+  without its loads, the intercepts the cost of a launch besides its pairs (docs/decode.md).
 Usage: python scripts/bench_decode.py [--backend triton|tilelang] [--batches 1,8,64,128]   (needs CUDA)
+       python scripts/bench_decode.py --pair-sweep [--batches 128]   (needs CUDA and TileLang)
        python scripts/bench_decode.py --small   (tiny shapes on any device: checks this script)
 """
 
@@ -114,12 +119,37 @@ def record_launch(fn, entry="sparse_mla_fwd"):
     return launches[0]
 
 
+def pair_sweep(device, batch: int) -> None:
+    """The paged fp8 kernel at s_q 1: time vs pairs of blocks, rows read vs every entry masked."""
+    print(f"paged fp8 kernel alone (graph replay), B {batch}, s_q 1, h_q 64, W 128 + E entries")
+    print(f"{'entries':>8s} {'pairs':>5s} {'read ms':>8s} {'masked ms':>9s}")
+    for topk, etopk in ((64, 64), (128, 128), (128, 256), (128, 512), (128, 1152)):
+        extra = max(512, etopk)
+        case = Case(f"b{batch}", batch, 1, 128, extra, topk, etopk, heads=64, sink=True)
+        args, _, ((swa_cache, swa_slots), (comp_cache, comp_slots)) = make_inputs(case, seed=3, device=device,
+                                                                                  empty_slots=False)
+        times = []
+        for masked in (False, True):
+            zero = torch.zeros(batch, dtype=torch.int32, device=device) if masked else None
+            call = {k: v for k, v in args.items() if k not in ("q", "indices", "kv_windows", "extra_kv_windows")}
+            k_args, k_kwargs = record_launch(
+                lambda: decode_attn_sparse_paged_fp8(args["q"], swa_cache, swa_slots, args["indices"], D ** -0.5,
+                                                     extra_cache=comp_cache, extra_slots=comp_slots, num_splits=1,
+                                                     **dict(call, topk_length=zero, extra_topk_length=zero)),
+                "sparse_mla_paged_fp8_fwd")
+            times.append(timer(graphed(lambda: sparse_mla.sparse_mla_paged_fp8_fwd(*k_args, **k_kwargs), device),
+                               device))
+        print(f"{topk + etopk:8d} {-(-(topk + etopk) // 128):5d} {times[0]:8.4f} {times[1]:9.4f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", choices=("triton", "tilelang", "ref"), default=None,
                         help="DEEPINFER_SPARSE_MLA_BACKEND for this run (default: the auto resolution)")
     parser.add_argument("--small", action="store_true", help="tiny shapes on any device (checks the script)")
     parser.add_argument("--batches", default="1,8,64,128", help="comma-separated batch sizes (default 1,8,64,128)")
+    parser.add_argument("--pair-sweep", action="store_true",
+                        help="only the paged fp8 kernel's time vs pairs, rows read vs masked (TileLang, CUDA)")
     opts = parser.parse_args()
     try:
         batches = tuple(int(b) for b in opts.batches.split(","))
@@ -141,6 +171,12 @@ def main() -> int:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"device: {name}; torch {torch.__version__}; backend {sparse_mla.resolve_backend()}")
     print(f"measured: HBM copy {hbm / 1e9:.0f} GB/s (read+write), bf16 GEMM {gemm / 1e12:.1f} TFLOP/s")
+    if opts.pair_sweep:
+        if device.type != "cuda" or not sparse_mla.paged_fp8_supported():
+            print("--pair-sweep needs CUDA and the TileLang backend (the paged fp8 kernel)")
+            return 2
+        pair_sweep(device, max(batches))
+        return 0
     print(f"shape: h_q {heads}, d {D}, W {width} + E {extra} (all valid), fp8 {MODEL1.name} caches, block 64")
     header = (f"{'B':>4s} {'s_q':>3s} {'S':>3s} {'gather':>8s} {'attn':>8s} {'kernel':>8s} {'step':>8s} "
               f"{'graph':>8s} {'TFLOP/s':>8s} {'read GB/s':>9s} {'roofline':>8s} {'frac':>6s} {'eager':>6s} "

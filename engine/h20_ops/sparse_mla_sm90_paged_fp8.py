@@ -27,12 +27,12 @@ arrives on its own barrier (q_ready), waited for by the consumers before an item
 Constraints: h_q 64 or 128, d_qk 512 (MODEL1); caches 16-byte aligned, at most 16 GiB each; e4m3
 scales up to 2^7 (kv_quant writes larger ones only for |x| > 57344).
 
-Speed (H200, docs/decode.md): with one item per SM a pair of blocks costs ~6.6 us: the ring holds one
-pair and every half is read until the pair's last P V (K = V), so a pair's loads (~3.9 us for 75 KB of
-random rows) and its compute (~2.7 us) run one after the other. Moving the conversion from the producer
-to the consumers gained 1.01-1.13x (batch <= 64); prefetching the next pairs' rows into L2 and a
-schedule that loads the next block during the current one (consumers splitting Q K^T by columns)
-did not help.
+Speed (H200, docs/decode.md): with one item per SM, ~17 us per launch + ~6.5 us per pair of blocks, of
+which the row loads are ~5 us and ~1.7 us (every entry masked: ~12 + ~4.8 us); the rest is the pair's
+chain (conversion, S, softmax, two P V, exchanges) and the launch's Q in / O out. Moving the conversion
+from the producer to the consumers gained 1.01-1.13x (batch <= 64); prefetching the next pairs' rows
+into L2 and a schedule that loads the next block during the current one (consumers splitting Q K^T by
+columns) did not help.
 """
 
 import functools
