@@ -450,6 +450,25 @@ _DUMMY_TOPK_LENGTH: dict[torch.device, torch.Tensor] = {}
 _DUMMY_SINK: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
+def lengths_and_sink(device: torch.device, h_q: int, topk_length: torch.Tensor | None,
+                     attn_sink: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' TopkLength and Sink arguments: the caller's tensors (dense), or a cached zero
+    tensor that the kernel never reads (its use_topk_length / use_sink switch is 0)."""
+    if topk_length is None:
+        lengths = _DUMMY_TOPK_LENGTH.get(device)
+        if lengths is None:
+            lengths = _DUMMY_TOPK_LENGTH[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    else:
+        lengths = _dense(topk_length)
+    if attn_sink is None:
+        sink = _DUMMY_SINK.get((device, h_q))
+        if sink is None:
+            sink = _DUMMY_SINK[(device, h_q)] = torch.zeros(h_q, dtype=torch.float32, device=device)
+    else:
+        sink = _dense(attn_sink)
+    return lengths, sink
+
+
 @functools.cache
 def compiled_kernel(h_q: int, d_qk: int):
     """Compiled once per process and (h_q, d_qk); TileLang's disk cache (TILELANG_CACHE_DIR)
@@ -477,18 +496,7 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
     if shape.s_kv == 0:  # nothing to attend to: every row is empty
         return out.zero_(), lse.fill_(float("inf"))
     device = q.device
-    if topk_length is None:
-        lengths = _DUMMY_TOPK_LENGTH.get(device)
-        if lengths is None:
-            lengths = _DUMMY_TOPK_LENGTH[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    else:
-        lengths = _dense(topk_length)
-    if attn_sink is None:
-        sink = _DUMMY_SINK.get((device, shape.h_q))
-        if sink is None:
-            sink = _DUMMY_SINK[(device, shape.h_q)] = torch.zeros(shape.h_q, dtype=torch.float32, device=device)
-    else:
-        sink = _dense(attn_sink)
+    lengths, sink = lengths_and_sink(device, shape.h_q, topk_length, attn_sink)
     kernel = compiled_kernel(shape.h_q, shape.d_qk)
     n_ctas = min(shape.s_q * (shape.h_q // HEADS_PER_CTA), sm_count(device))
     kernel(_dense(q), _dense(kv[:, 0, :]), _dense(indices), lengths, sink, out, lse,

@@ -45,7 +45,7 @@ import torch
 
 from engine.h20_ops import kv_quant, sm_count
 from engine.h20_ops.sparse_mla_sm90 import (BLOCK_TOPK, D_V, HEADS_PER_CTA, LOG2E, SM90_TARGET, _dense,
-                                            consumer_parts)
+                                            consumer_parts, lengths_and_sink)
 
 D_QK = 512
 D_NOPE = 448
@@ -367,10 +367,6 @@ def paged_fp8_program(h_q: int):
     return kernel
 
 
-_DUMMY_TOPK_LENGTH: dict[torch.device, torch.Tensor] = {}
-_DUMMY_SINK: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
 @functools.cache
 def compiled_kernel(h_q: int):
     """Compiled once per process and h_q; TileLang's disk cache (TILELANG_CACHE_DIR) makes later
@@ -470,18 +466,7 @@ def sparse_mla_fwd_sm90_paged_fp8(q: torch.Tensor, cache0: torch.Tensor, cache1:
     if s_q == 0:
         return out, lse
     device = q.device
-    if topk_length is None:
-        lengths = _DUMMY_TOPK_LENGTH.get(device)
-        if lengths is None:
-            lengths = _DUMMY_TOPK_LENGTH[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    else:
-        lengths = _dense(topk_length)
-    if attn_sink is None:
-        sink = _DUMMY_SINK.get((device, h_q))
-        if sink is None:
-            sink = _DUMMY_SINK[(device, h_q)] = torch.zeros(h_q, dtype=torch.float32, device=device)
-    else:
-        sink = _dense(attn_sink)
+    lengths, sink = lengths_and_sink(device, h_q, topk_length, attn_sink)
     kernel = compiled_kernel(h_q)
     n_ctas = min(s_q * (h_q // HEADS_PER_CTA), sm_count(device))
     kernel(_dense(q), c0_e4m3, c0_u8, c0_bf16, c1_e4m3, c1_u8, c1_bf16, _dense(indices), lengths, sink, out, lse,
