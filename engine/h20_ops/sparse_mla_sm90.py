@@ -11,7 +11,8 @@ Contract: FlashMLA's sparse prefill (../../../shared/reference/sparse_mla_contra
 
 Numerics: bf16 operands, fp32 accumulators (QK^T and PV on wgmma), fp32 online softmax in base 2
 (scores scaled by sm_scale * log2(e)); P, taken at the pair's row max, is rounded to bf16 once for
-both P V products that use it.
+both P V products that use it. Built with --use_fast_math: exp2 / log2 are ex2 / lg2.approx.ftz
+(relative error ~2^-22; results below 2^-126 flush to 0), 1 / row sum an approximate reciprocal.
 
 Schedule (persistent: a grid of min(#items, #SMs) CTAs of 384 threads, hand-written warp
 specialization; an item is one query row x 64 heads and CTA b serves items b, b + grid, ...).
@@ -69,6 +70,9 @@ SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 PASS_CONFIGS = {
     # The warp specialization is written by hand (producer + two consumers with mbarriers).
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+    # --use_fast_math: exp2 / log2 become single ex2 / lg2.approx.ftz instructions (without it each
+    # exp2 carries a range test and two multiplies; the softmax between S and P V is issue-bound).
+    tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
 }
 
 
@@ -180,9 +184,10 @@ def consumer_parts(h_q: int, d_qk: int, after_ready=None) -> types.SimpleNamespa
 
     @T.macro
     def block_max(r, valid, buf, scale2):
-        """Mask buffer buf's invalid entries to -inf, scale to the exp2 domain, row max -> m_blk."""
+        """Scale to the exp2 domain and mask buffer buf's invalid entries (valid[buf, j] is an additive
+        0 / -inf: one FFMA per score), row max -> m_blk."""
         for h, j in T.Parallel(H, BI):
-            r.acc_s[h, j] = T.if_then_else(valid[buf, j], r.acc_s[h, j] * scale2, NEG_INF)
+            r.acc_s[h, j] = r.acc_s[h, j] * scale2 + valid[buf, j]
         T.reduce_max(r.acc_s, r.m_blk, dim=1)
 
     @T.macro
@@ -348,7 +353,7 @@ def sparse_mla_program(h_q: int, d_qk: int):
                 src = T.max(rows[b, r], 0)  # any in-bounds address; not read when not ok
                 if first_half_of_buffer:  # the buffer's previous readers are done with valid[b]
                     if t % 8 == 0:
-                        g.valid[b, j] = ok
+                        g.valid[b, j] = T.if_then_else(ok, 0.0, -T.infinity(f32))
                 for c in chunk_groups:
                     col = c * 64 + t % 8 * 8
                     if half == 0 and c * 64 < DH:
@@ -394,7 +399,7 @@ def sparse_mla_program(h_q: int, d_qk: int):
             else:
                 p_0 = T.alloc_shared([H, BI], bf16)
             p_smem = (p_0, p_1)
-            valid = T.alloc_shared([2, BI], "bool")
+            valid = T.alloc_shared([2, BI], f32)  # per entry of the pair: 0 valid, -inf invalid
             max_smem = T.alloc_shared([2, H], f32)
             sum_smem = T.alloc_shared([H], f32)
             final_smem = T.alloc_shared([H], f32)

@@ -57,6 +57,7 @@ PASS_CONFIGS = {
     # Safe memory access would guard every byte of the 16-byte cache loads (it cannot bound the slot
     # addresses) and scalarize them; every access here is in bounds by construction.
     tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True,
+    tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,  # as sparse_mla_sm90 (the consumers are shared)
 }
 CONSUMER_NREG, PRODUCER_NREG = 216, 72  # setmaxnreg: 2 * 216 + 72 <= 512
 
@@ -83,9 +84,10 @@ template <typename D, typename S>
 __device__ __forceinline__ void fp8_cp4s(D *dst, const S *base0, const S *base1, int sel, long long off, bool ok) {
   fp8_cp4(dst, (sel ? base1 : base0) + off, ok);
 }
+// The consumers' additive mask: 0 for a valid entry, -inf for an invalid one.
 template <typename D>
-__device__ __forceinline__ void fp8_st_bool(D *p, bool v) {
-  *p = v;
+__device__ __forceinline__ void fp8_st_mask(D *p, bool valid) {
+  *p = valid ? 0.0f : -INFINITY;
 }
 // Dequantize 16 staged e4m3 bytes w (already in registers) times 2^((e & 0xff) - 127) and store them as
 // bf16: dims [0, 8) -> lo, [8, 16) -> hi (the group's two 16-byte chunks).
@@ -195,7 +197,7 @@ def paged_fp8_program(h_q: int):
                     # through an extern store: a plain one makes the thread-sync planner put a producer
                     # barrier between issue_half's two instances in fill_pair (it cannot see that they
                     # exclude each other)
-                    T.evaluate(T.call_extern("handle", "fp8_st_bool", T.address_of(g.valid[b, j]), pr.row[0] >= 0))
+                    T.evaluate(T.call_extern("handle", "fp8_st_mask", T.address_of(g.valid[b, j]), pr.row[0] >= 0))
             # row_data16 = (data offset / 16) | (cache << 30) for valid rows, -1 for invalid ones (then: cache
             # bit 1, offset 0: an in-bounds address, not read)
             sel = T.bitwise_and(T.shift_right(pr.row[0], 30), 1)
@@ -287,7 +289,7 @@ def paged_fp8_program(h_q: int):
             p_1 = T.alloc_shared([H, BI], bf16)
             p_0 = T.alloc_shared([H, BI], bf16)
             p_smem = (p_0, p_1)
-            valid = T.alloc_shared([2, BI], "bool")
+            valid = T.alloc_shared([2, BI], f32)  # additive mask, as in sparse_mla_sm90
             # producer only: per (buffer, row) of the current pair, the token's data offset / 16 (-1: invalid)
             # and its scales' offset / 8 (int32: caches up to 16 GB)
             row_data16 = T.alloc_shared([2, BI], i32)
