@@ -44,8 +44,8 @@ import tilelang.language as T
 import torch
 
 from engine.h20_ops import kv_quant, sm_count
-from engine.h20_ops.sparse_mla_sm90 import (BLOCK_TOPK, D_V, HEADS_PER_CTA, LOG2E, SM90_TARGET, _dense,
-                                            consumer_parts, lengths_and_sink)
+from engine.h20_ops.sparse_mla_sm90 import (BLOCK_TOPK, COMPILE_FLAGS, D_V, HEADS_PER_CTA, LOG2E, SM90_TARGET,
+                                            _dense, consumer_parts, lengths_and_sink)
 
 D_QK = 512
 D_NOPE = 448
@@ -57,7 +57,6 @@ PASS_CONFIGS = {
     # Safe memory access would guard every byte of the 16-byte cache loads (it cannot bound the slot
     # addresses) and scalarize them; every access here is in bounds by construction.
     tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True,
-    tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,  # as sparse_mla_sm90 (the consumers are shared)
 }
 CONSUMER_NREG, PRODUCER_NREG = 216, 72  # setmaxnreg: 2 * 216 + 72 <= 512
 
@@ -373,7 +372,8 @@ def paged_fp8_program(h_q: int):
 def compiled_kernel(h_q: int):
     """Compiled once per process and h_q; TileLang's disk cache (TILELANG_CACHE_DIR) makes later
     processes skip nvcc."""
-    return tilelang.compile(paged_fp8_program(h_q), target=SM90_TARGET, pass_configs=PASS_CONFIGS)
+    return tilelang.compile(paged_fp8_program(h_q), target=SM90_TARGET, pass_configs=PASS_CONFIGS,
+                            compile_flags=COMPILE_FLAGS)
 
 
 def cache_views(cache: torch.Tensor, name: str = "cache"
