@@ -44,8 +44,9 @@ import tilelang.language as T
 import torch
 
 from engine.h20_ops import kv_quant, sm_count
-from engine.h20_ops.sparse_mla_sm90 import (BLOCK_TOPK, COMPILE_FLAGS, D_V, HEADS_PER_CTA, LOG2E, SM90_TARGET,
-                                            _dense, consumer_parts, lengths_and_sink)
+from engine.h20_ops.sparse_mla_sm90 import (BLOCK_TOPK, COMPILE_FLAGS, D_V, GATHER_ORDER, GATHER_ORDER_NEXT_ITEM,
+                                            HEADS_PER_CTA, LOG2E, SM90_TARGET, _dense, consumer_parts,
+                                            lengths_and_sink)
 
 D_QK = 512
 D_NOPE = 448
@@ -109,36 +110,24 @@ __device__ __forceinline__ void fp8_cvt_store(const uint4 w, unsigned e, D *lo, 
   *reinterpret_cast<uint4 *>(lo) = make_uint4(out[0], out[1], out[2], out[3]);
   *reinterpret_cast<uint4 *>(hi) = make_uint4(out[4], out[5], out[6], out[7]);
 }
-// One ring row's share of one thread: groups g (lo_g, hi_g), g < 4 (left half) or g < 3 (right half).
-// Staged: group g's 16 raw e4m3 bytes in chunk lo_g, the row's 4-byte scale word (byte g: group g's
-// ue8m0 scale) at the start of chunk hi_0. Everything staged is read into registers first (one
-// 16-byte load per group, all in flight together), then the groups are converted and stored over it.
-template <typename D>
-__device__ __forceinline__ void fp8_cvt_row4(D *lo0, D *hi0, D *lo1, D *hi1, D *lo2, D *hi2, D *lo3, D *hi3) {
+// One ring row's share of one thread, given as pointer pairs (lo_g, hi_g) of its groups g: 4 in the
+// left half, 3 in the right. Staged: group g's 16 raw e4m3 bytes in chunk lo_g, the row's 4-byte scale
+// word (byte g: group g's ue8m0 scale) at the start of chunk hi_0. Everything staged is read into
+// registers first (one 16-byte load per group, all in flight together), then the groups are
+// converted and stored over it.
+template <typename D, typename... Rest>
+__device__ __forceinline__ void fp8_cvt_row(D *lo0, D *hi0, Rest... rest) {
+  constexpr int n = 1 + sizeof...(Rest) / 2;
+  D *const p[2 * n] = {lo0, hi0, rest...};
   const unsigned e = *reinterpret_cast<const unsigned *>(hi0);
-  const uint4 w0 = *reinterpret_cast<const uint4 *>(lo0);
-  const uint4 w1 = *reinterpret_cast<const uint4 *>(lo1);
-  const uint4 w2 = *reinterpret_cast<const uint4 *>(lo2);
-  const uint4 w3 = *reinterpret_cast<const uint4 *>(lo3);
-  fp8_cvt_store(w0, e, lo0, hi0);
-  fp8_cvt_store(w1, e >> 8, lo1, hi1);
-  fp8_cvt_store(w2, e >> 16, lo2, hi2);
-  fp8_cvt_store(w3, e >> 24, lo3, hi3);
-}
-template <typename D>
-__device__ __forceinline__ void fp8_cvt_row3(D *lo0, D *hi0, D *lo1, D *hi1, D *lo2, D *hi2) {
-  const unsigned e = *reinterpret_cast<const unsigned *>(hi0);
-  const uint4 w0 = *reinterpret_cast<const uint4 *>(lo0);
-  const uint4 w1 = *reinterpret_cast<const uint4 *>(lo1);
-  const uint4 w2 = *reinterpret_cast<const uint4 *>(lo2);
-  fp8_cvt_store(w0, e, lo0, hi0);
-  fp8_cvt_store(w1, e >> 8, lo1, hi1);
-  fp8_cvt_store(w2, e >> 16, lo2, hi2);
+  uint4 w[n];
+#pragma unroll
+  for (int g = 0; g < n; ++g) w[g] = *reinterpret_cast<const uint4 *>(p[2 * g]);
+#pragma unroll
+  for (int g = 0; g < n; ++g) fp8_cvt_store(w[g], e >> (8 * g), p[2 * g], p[2 * g + 1]);
 }
 """
 
-GATHER_ORDER = ((0, 0), (1, 1), (0, 1), (1, 0))
-GATHER_ORDER_NEXT_ITEM = ((0, 0), (0, 1), (1, 1), (1, 0))
 
 
 def paged_fp8_program(h_q: int):
@@ -232,10 +221,10 @@ def paged_fp8_program(h_q: int):
         for r in T.unroll(passes):
             j = ring_row(t, r)
             if half == 0:  # group q = NoPE tile q (scale byte q)
-                T.evaluate(T.call_extern("handle", "fp8_cvt_row4", *[
+                T.evaluate(T.call_extern("handle", "fp8_cvt_row", *[
                     T.address_of(ns.kv_l[b][j, 16 * (kk + 4 * q) + 8 * cc]) for q in range(4) for cc in range(2)]))
             else:  # group q = NoPE tile 4 + q (scale byte 4 + q: byte q of the staged word)
-                T.evaluate(T.call_extern("handle", "fp8_cvt_row3", *[
+                T.evaluate(T.call_extern("handle", "fp8_cvt_row", *[
                     T.address_of(ns.kv_r[b][j, 16 * (kk + 4 * q) + 8 * cc]) for q in range(3) for cc in range(2)]))
         T.fence_proxy_async()
         T.sync_threads(6 + c, 128)
