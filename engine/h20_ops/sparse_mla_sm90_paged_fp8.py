@@ -129,7 +129,6 @@ __device__ __forceinline__ void fp8_cvt_row(D *lo0, D *hi0, Rest... rest) {
 """
 
 
-
 def paged_fp8_program(h_q: int):
     """The TileLang PrimFunc for one h_q; s_q, topk and the caches' sizes are symbolic."""
     if h_q % HEADS_PER_CTA:
