@@ -39,12 +39,15 @@ def test_kernel_compiles_for_sm90a(h_q, d_qk):
     src = sm90.compiled_kernel(h_q, d_qk).get_kernel_source()
     # The gather zero-fills invalid rows (cp.async with source size 0) instead of reading them:
     # one 16-byte chunk per 64 columns per thread and buffer, once per gather order (a CTA's later
-    # items start with buffer 0). Q arrives by cp.async too, predicated only by TileLang's bounds
-    # guard on the item's query row (a T.copy of Q by all threads compiled to serialized 2-byte
-    # loads, ~40 us per CTA); the only CTA-wide barrier is the one after mbarrier init.
-    assert src.count("cp_async_gs_conditional<16>") == 2 * (2 * d_qk // 64) + d_qk // 64
+    # items start with buffer 0). Q arrives by TMA, one 64 x 64 box per 64 columns from Q's tensor map
+    # (a T.copy of Q by all threads compiled to serialized 2-byte loads, ~40 us per CTA); the only
+    # CTA-wide barrier is the one after mbarrier init. The validity mask goes through st_mask (a plain
+    # store drew producer-wide barriers).
+    assert src.count("cp_async_gs_conditional<16>") == 2 * (2 * d_qk // 64)
     assert "cp_async_gs<16>" not in src
+    assert src.count("tma_load(Q_desc,") == d_qk // 64 and "__grid_constant__ const CUtensorMap Q_desc" in src
     assert src.count("__syncthreads()") == 1
+    assert src.count("st_mask(") == 1 + 4  # its definition, then one per buffer and gather order
     assert "mbarrier_cp_async_arrive_noinc" in src
     assert "wgmma_ss" in src
     assert "wgmma_rs" in src  # each consumer's own P enters P V from registers
@@ -246,6 +249,22 @@ def test_ctas_serving_several_items(h_q, d_qk, topk):
     s_q = 5 * sms // 2 // (h_q // 64) + 1
     inputs = _case(s_q, 700, h_q, d_qk, topk, seed=topk + h_q + d_qk, dup=True, lengths=True, sink=True)
     _check_against_oracle(*inputs, sm_scale=1.0 / math.sqrt(d_qk))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["q", "kv"])
+def test_rejects_misaligned_operands(name):
+    """q is read by TMA and kv rows by 16-byte cp.async: a contiguous view starting off a 16-byte
+    boundary is refused by name instead of faulting in the kernel."""
+    from engine.h20_ops.sparse_mla_sm90 import sparse_mla_fwd_sm90
+
+    q, kv, idx = _small_inputs(device="cuda")
+    t = q if name == "q" else kv
+    shifted = torch.empty(t.numel() + 1, dtype=t.dtype, device="cuda")[1:].view(t.shape)
+    shifted.copy_(t)
+    args = {"q": q, "kv": kv, name: shifted}
+    with pytest.raises(ValueError, match=f"^{name}: expected a 16-byte aligned data pointer"):
+        sparse_mla_fwd_sm90(args["q"], args["kv"], idx, 0.04)
 
 
 @pytest.mark.gpu

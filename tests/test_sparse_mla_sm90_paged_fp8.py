@@ -35,9 +35,11 @@ def test_kernel_compiles_async_without_spills(h_q):
     # the conversion: its definition, then one call per consumer and half (4 groups left, 3 right)
     assert "fp8_cp16s(" in src and src.count("fp8_cvt_row(") == 1 + 4
     assert src.count("tma_store(") == 2 and "Out[" not in src
-    # cp.async arrivals: Q's (q_ready) and each half's in both gather orders; each consumer converts the
-    # halves it reads first behind its own 128-thread barrier (named barriers 6 and 7)
-    assert src.count("mbarrier_cp_async_arrive_noinc(") == 1 + 2 * 4 and "__launch_bounds__(384, 1)" in src
+    # cp.async arrivals: each half's in both gather orders (Q arrives by TMA, one box per 64 columns);
+    # each consumer converts the halves it reads first behind its own 128-thread barrier (named
+    # barriers 6 and 7)
+    assert src.count("mbarrier_cp_async_arrive_noinc(") == 2 * 4 and "__launch_bounds__(384, 1)" in src
+    assert src.count("tma_load(Q_desc,") == 512 // 64
     assert src.count("sync_thread_partial(6, 128)") == 2 and src.count("sync_thread_partial(7, 128)") == 2
     ptx = kernel._get_ptx()
     assert "cp.async.cg.shared.global" in ptx

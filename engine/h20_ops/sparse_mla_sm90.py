@@ -5,8 +5,9 @@ Contract: FlashMLA's sparse prefill (../../../shared/reference/sparse_mla_contra
   attn_sink [h_q] fp32 or None, topk_length [s_q] int32 or None
   -> out [s_q, h_q, 512] bf16, lse [s_q, h_q] fp32 in BASE 2 (TileLang's convention).
   Entry j of row i is valid iff 0 <= idx < s_kv and j < topk_length[i]; validity is tested
-  explicitly in the kernel (TileLang's safe memory access would turn an out-of-range gather into a
-  zero key that scores 0, not -inf) and an invalid entry's kv row is never read.
+  explicitly in the kernel (a zero-filled key would score 0, not -inf) and an invalid entry's kv row
+  is never read. Every access is in range by construction, so TileLang's safe memory access (bounds
+  re-tested on every load) is off.
   Empty row: out 0, lse +inf. Sink: out *= 1 / (1 + 2^(sink * log2(e) - lse)), lse unchanged.
 
 Numerics: bf16 operands, fp32 accumulators (QK^T and PV on wgmma), fp32 online softmax in base 2
@@ -18,9 +19,10 @@ Schedule (persistent: a grid of min(#items, #SMs) CTAs of 384 threads, hand-writ
 specialization; an item is one query row x 64 heads and CTA b serves items b, b + grid, ...).
 The top-k list is walked in PAIRS of 64-entry blocks: block 2p goes to shared buffer 0, block 2p + 1
 to buffer 1 (an odd last block is paired with an all-invalid one).
-  producer warpgroup: per item gathers Q with cp.async (covered by the item's first arrivals) as soon
-    as both consumers' last S of the previous item is done (`q_free`), so Q and the next item's first
-    gathers overlap the previous item's last P V and epilogue; per pair loads
+  producer warpgroup: per item, its thread 0 loads Q by TMA (one 64 x 64 box per 64 columns,
+    signalled on `q_ready`) as soon as both consumers' last S of the previous item is done (`q_free`),
+    so Q and the next item's first gathers overlap the previous item's last P V and epilogue; per pair
+    all 128 threads load
     the 128 indices, tests validity, and gathers the rows with predicated 16-byte cp.async (an
     invalid entry zero-fills its row, source size 0, so kv is never read) half by half (columns
     [0, 256) and [256, d_qk)) in the order the consumers need them, each half signalling its own
@@ -70,7 +72,20 @@ SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 PASS_CONFIGS = {
     # The warp specialization is written by hand (producer + two consumers with mbarriers).
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+    # Safe memory access re-tests bounds the kernel already guarantees (every row, index and query it
+    # reads is in range by construction; invalid kv rows are never read) on every cp.async.
+    tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True,
 }
+# Device helpers shared with the paged fp8 kernel.
+PRELUDE = r"""
+// The consumers' additive mask: 0 for a valid entry, -inf for an invalid one. Stored through this
+// helper because a plain shared-memory store in the producer makes TileLang's thread-sync planner put
+// producer-wide barriers around it.
+template <typename D>
+__device__ __forceinline__ void st_mask(D *p, bool valid) {
+  *p = valid ? 0.0f : -INFINITY;
+}
+"""
 # exp2 / log2 as single ex2 / lg2.approx.ftz instructions (without it each exp2 carries a range test
 # and two multiplies). A compile flag rather than TileLang's fast-math pass config, so that the PTX the
 # CPU tests hand to ptxas (kernel._get_ptx) is built the same way as the binary.
@@ -93,9 +108,9 @@ def consumer_parts(h_q: int, d_qk: int, after_ready=None) -> types.SimpleNamespa
     """The two consumer warpgroups of a kernel with this module's schedule, whatever fills the ring:
     `fragments()` allocates a consumer's registers (call it inside the consumer's branch); the macros
     `consumer0(ns, r, final, lse)` and `consumer1(ns, r)` walk the CTA's items. `ns` = `ring(...)`
-    holds the shared buffers, barriers and kernel arguments they use; ns.q_ready, when not None, is
-    waited for (phase = item parity) before an item's first S, for producers that do not fold Q's
-    arrival into the ring's ready barriers. `item_rows(ns, k)`: the k-th item's (query row, first head).
+    holds the shared buffers, barriers and kernel arguments they use; `load_q(ns, k, s_i, h0, t)` is the
+    producer's Q load, waited for (ns.q_ready, phase = item parity) before an item's first S.
+    `item_rows(ns, k)`: the k-th item's (query row, first head).
     after_ready(ns, c, b, half), a T.macro or None: what consumer c does to (buffer b, half) between
     waiting for its ready barrier and the S that reads it (a producer that leaves work to the consumer
     that reads a half first)."""
@@ -112,6 +127,7 @@ def consumer_parts(h_q: int, d_qk: int, after_ready=None) -> types.SimpleNamespa
             acc_s=T.alloc_fragment([H, BI], f32),
             acc_p=T.alloc_fragment([H, BI], bf16),
             acc_o=T.alloc_fragment([H, DH], f32),
+            out_bf16=T.alloc_fragment([H, DH], bf16),  # the epilogue's O, converted two values at a time
             m_run=T.alloc_fragment([H], f32),  # max over all pairs so far (same in both consumers)
             m_blk=T.alloc_fragment([H], f32),
             m_new=T.alloc_fragment([H], f32),
@@ -129,43 +145,41 @@ def consumer_parts(h_q: int, d_qk: int, after_ready=None) -> types.SimpleNamespa
 
     @T.macro
     def start_item(ns, r, k):
-        """Fresh statistics and output; with a q_ready barrier, wait for the item's Q."""
+        """Fresh statistics and output; wait for the item's Q."""
         T.fill(r.acc_o, 0)
         T.fill(r.sumexp, 0)
         T.fill(r.m_run, NEG_INF)
-        if ns.q_ready is not None:
-            T.barrier_wait(ns.q_ready, k & 1)
+        T.barrier_wait(ns.q_ready, k & 1)
 
     q_chunks = tuple(range(d_qk // 64))  # (a tuple: unrolled at trace time, so the branches below fold)
 
     @T.macro
-    def load_q(ns, Q, k, s_i, h0, t):
-        """Producer thread t's share of the CTA's k-th item's Q (query row s_i, heads h0..h0+63): for
-        k > 0 it first waits until both consumers' last S of the previous item is done (so the next Q
-        and first rows overlap that item's last P V and epilogue), then 16-byte cp.async of chunk
-        t % 8 + 8 c of rows 16 r + t // 8 into q_l / q_r / q_t."""
-        if k > 0:
-            T.barrier_wait(ns.q_free, (k - 1) & 1)
-        for r in T.unroll(H // 16):
-            j = r * 16 + t // 8
+    def load_q(ns, k, s_i, h0, t):
+        """The CTA's k-th item's Q (query row s_i, heads h0..h0+63) by TMA, one 64 x 64 box per 64
+        columns, issued by producer thread 0 and signalled on q_ready; for k > 0 it first waits until
+        both consumers' last S of the previous item is done (so the next Q overlaps that item's last
+        P V and epilogue). The other producer threads go on to the item's gathers."""
+        if t == 0:
+            if k > 0:
+                T.barrier_wait(ns.q_free, (k - 1) & 1)
+            T.mbarrier_arrive_expect_tx(ns.q_ready, H * d_qk * 2)
             for c in q_chunks:
-                col = c * 64 + t % 8 * 8
                 if c * 64 < DH:
-                    T.ptx_cp_async(T.access_ptr(ns.q_l[j, col], "w", 8), T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
+                    dst = T.access_ptr(ns.q_l[0, c * 64], "w", H * 64)
                 elif c * 64 < D_V:
-                    T.ptx_cp_async(T.access_ptr(ns.q_r[j, col - DH], "w", 8),
-                                   T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
+                    dst = T.access_ptr(ns.q_r[0, c * 64 - DH], "w", H * 64)
                 else:
-                    T.ptx_cp_async(T.access_ptr(ns.q_t[j, col - D_V], "w", 8),
-                                   T.access_ptr(Q[s_i, h0 + j, col], "r", 8), 8)
+                    dst = T.access_ptr(ns.q_t[0, c * 64 - D_V], "w", H * 64)
+                T.tma_load(ns.q_desc, ns.q_ready[0], dst, c * 64, h0, s_i, 0)
 
-    def ring(*, q_l, q_r, q_t, kv_l, kv_r, k_t, p_smem, valid, max_smem, sum_smem, final_smem, Out, Lse, Sink,
-             use_sink, scale2, bx, n_ctas, n_items, topk, with_q_ready):
+    def ring(*, Q, q_l, q_r, q_t, kv_l, kv_r, k_t, p_smem, valid, max_smem, sum_smem, final_smem, Out, Lse, Sink,
+             use_sink, scale2, bx, n_ctas, n_items, topk):
         """Call in the prim_func after its shared buffers: allocates the ring's mbarriers and returns the
         namespace the consumers (and the producer) use. ready_l[b] / ready_r[b]: buffer b's columns
         [0, 256) / [256, d_qk) have arrived (128 arrivals); free_l[b] / free_r[b]: their last reader is
         done (128 arrivals each); q_free: both consumers' last S of an item is done, Q may be replaced;
-        q_ready (with_q_ready): the item's Q has landed (128 arrivals). left / right: what each
+        q_ready: the item's Q has landed (one arrival and Q's bytes); q_desc: Q's TMA tensor map (Q is
+        the kernel's [s_q, h_q, d_qk] argument). left / right: what each
         consumer's P V reads and releases (consumer 0 the left column half of both buffers, consumer 1
         the right half)."""
         ready_l = T.alloc_barrier([128, 128])
@@ -173,12 +187,17 @@ def consumer_parts(h_q: int, d_qk: int, after_ready=None) -> types.SimpleNamespa
         free_l = T.alloc_barrier([128, 128])
         free_r = T.alloc_barrier([128, 128])
         q_free = T.alloc_barrier(256)
-        q_ready = T.alloc_barrier(128) if with_q_ready else None
+        q_ready = T.alloc_barrier(1)
+        # Q [s_q, h_q, d_qk] as a TMA tensor map: 64 x 64 boxes (64 heads x 128 bytes), 128-byte swizzle
+        # (the layout of q_l / q_r / q_t); arguments: dtype (bf16), rank, address, sizes, byte strides,
+        # box, element strides, interleave, swizzle, L2 promotion, out-of-bounds fill.
+        q_desc = T.create_tma_descriptor(9, 3, Q.data, d_qk, Q.shape[1], Q.shape[0], 2, d_qk * 2,
+                                         Q.shape[1] * d_qk * 2, 64, H, 1, 1, 1, 1, 0, 3, 2, 0)
         left = types.SimpleNamespace(kv=kv_l, free=free_l, valid=valid, max_smem=max_smem, p_smem=p_smem)
         right = types.SimpleNamespace(kv=kv_r, free=free_r, valid=valid, max_smem=max_smem, p_smem=p_smem)
         return types.SimpleNamespace(
             q_l=q_l, q_r=q_r, q_t=q_t, kv_l=kv_l, kv_r=kv_r, k_t=k_t, ready_l=ready_l, ready_r=ready_r,
-            free_l=free_l, free_r=free_r, q_free=q_free, q_ready=q_ready, left=left, right=right,
+            free_l=free_l, free_r=free_r, q_free=q_free, q_ready=q_ready, q_desc=q_desc, left=left, right=right,
             sum_smem=sum_smem, final_smem=final_smem, Out=Out, Lse=Lse, Sink=Sink, use_sink=use_sink,
             scale2=scale2, bx=bx, n_ctas=n_ctas, n_local=T.ceildiv(n_items - bx, n_ctas),  # items of this CTA
             n_pairs=T.ceildiv(topk, 2 * BI))
@@ -225,7 +244,7 @@ def consumer_parts(h_q: int, d_qk: int, after_ready=None) -> types.SimpleNamespa
         T.copy(r.m_new, r.m_run)
         T.copy(r.acc_s, r.acc_p)
         T.wgmma_gemm(r.acc_p, bufs_of_c.kv[c], r.acc_o)
-        T.copy(r.acc_s, p_smem[c])
+        T.copy(r.acc_p, p_smem[c])  # the bf16 P already converted for the P V above
         T.fence_proxy_async()
         T.named_barrier_arrive(BAR_P[c], 256)
         T.sync_threads(BAR_P[1 - c], 256)
@@ -282,7 +301,8 @@ def consumer_parts(h_q: int, d_qk: int, after_ready=None) -> types.SimpleNamespa
                 r.acc_o[h, d] *= final[h]
             # O leaves through buffer 1's ns.left half (this consumer was its last reader) by TMA;
             # the producer refills it once the store has read it.
-            T.copy(r.acc_o, ns.kv_l[1])
+            T.copy(r.acc_o, r.out_bf16)
+            T.copy(r.out_bf16, ns.kv_l[1])
             T.copy(ns.kv_l[1], ns.Out[s_i, h0:h0 + H, 0:DH])
             T.barrier_arrive(ns.free_l[1])
 
@@ -314,7 +334,8 @@ def consumer_parts(h_q: int, d_qk: int, after_ready=None) -> types.SimpleNamespa
             T.sync_threads(BAR_FINAL, 256)
             for h, d in T.Parallel(H, DH):
                 r.acc_o[h, d] *= ns.final_smem[h]
-            T.copy(r.acc_o, ns.kv_r[1])  # this consumer was its last reader
+            T.copy(r.acc_o, r.out_bf16)
+            T.copy(r.out_bf16, ns.kv_r[1])  # this consumer was its last reader
             T.copy(ns.kv_r[1], ns.Out[s_i, h0:h0 + H, DH:D_V])
             T.barrier_arrive(ns.free_r[1])
 
@@ -354,7 +375,7 @@ def sparse_mla_program(h_q: int, d_qk: int):
                 src = T.max(rows[b, r], 0)  # any in-bounds address; not read when not ok
                 if first_half_of_buffer:  # the buffer's previous readers are done with valid[b]
                     if t % 8 == 0:
-                        g.valid[b, j] = T.if_then_else(ok, 0.0, -T.infinity(f32))
+                        T.evaluate(T.call_extern("handle", "st_mask", T.address_of(g.valid[b, j]), ok))
                 for c in chunk_groups:
                     col = c * 64 + t % 8 * 8
                     if half == 0 and c * 64 < DH:
@@ -382,7 +403,7 @@ def sparse_mla_program(h_q: int, d_qk: int):
         use_sink: T.int32,
         n_ctas: T.int32,  # grid size (<= s_q * head_tiles); CTA b serves items b, b + n_ctas, ...
     ):
-        with T.Kernel(n_ctas, threads=384) as bx:
+        with T.Kernel(n_ctas, threads=384, prelude=PRELUDE) as bx:
             q_l = T.alloc_shared([H, DH], bf16)
             q_r = T.alloc_shared([H, DH], bf16)
             # Buffer b holds block 2p + b of pair p: columns [0, 256) in kv_l[b], [256, 512) in kv_r[b],
@@ -406,10 +427,10 @@ def sparse_mla_program(h_q: int, d_qk: int):
             final_smem = T.alloc_shared([H], f32)
 
             ring = consumers.ring(
-                q_l=q_l, q_r=q_r, q_t=q_t if d_tail else None, kv_l=kv_l, kv_r=kv_r, k_t=k_t if d_tail else None,
+                Q=Q, q_l=q_l, q_r=q_r, q_t=q_t if d_tail else None, kv_l=kv_l, kv_r=kv_r, k_t=k_t if d_tail else None,
                 p_smem=p_smem, valid=valid, max_smem=max_smem, sum_smem=sum_smem, final_smem=final_smem, Out=Out,
                 Lse=Lse, Sink=Sink, use_sink=use_sink, scale2=scale2, bx=bx, n_ctas=n_ctas,
-                n_items=s_q * head_tiles, topk=topk, with_q_ready=False)
+                n_items=s_q * head_tiles, topk=topk)
             tx = T.get_thread_binding()
 
             if tx < 128:
@@ -421,10 +442,10 @@ def sparse_mla_program(h_q: int, d_qk: int):
                 T.set_max_nreg(216, 1)
                 consumers.consumer1(ring, consumers.fragments())
             else:
-                # Producer: gathers Q, then per pair the rows of blocks 2p and 2p + 1 into buffers 0
-                # and 1, half by half in the order the consumers need them; an invalid entry (or a
-                # position past topk when the last pair has one block) zero-fills its row with a
-                # predicated cp.async (source size 0) and never reads kv.
+                # Producer: loads Q (thread 0, TMA), then per pair gathers the rows of blocks 2p and
+                # 2p + 1 into buffers 0 and 1, half by half in the order the consumers need them; an
+                # invalid entry (or a position past topk when the last pair has one block) zero-fills
+                # its row with a predicated cp.async (source size 0) and never reads kv.
                 T.set_max_nreg(72, 0)
                 t = tx - 256
                 slots = types.SimpleNamespace(free_l=ring.free_l, free_r=ring.free_r, ready_l=ring.ready_l,
@@ -435,7 +456,7 @@ def sparse_mla_program(h_q: int, d_qk: int):
                 for k in T.serial(ring.n_local):
                     s_i, h0 = consumers.item_rows(ring, k)
                     limit = T.if_then_else(use_topk_length != 0, T.min(topk, TopkLength[s_i]), topk)
-                    consumers.load_q(ring, Q, k, s_i, h0, t)
+                    consumers.load_q(ring, k, s_i, h0, t)
                     for p in T.serial(ring.n_pairs):
                         phase = ((k * ring.n_pairs + p) & 1) ^ 1
                         # Index loads are issued before waiting for the slots, hiding their latency.
@@ -487,6 +508,16 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def _aligned_operand(t: torch.Tensor, name: str) -> torch.Tensor:
+    """t made dense; the kernels read q by TMA and kv rows by 16-byte cp.async, both of which need a
+    16-byte aligned start (a contiguous view can start anywhere)."""
+    t = _dense(t)
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name}: expected a 16-byte aligned data pointer (read by TMA / 16-byte cp.async), "
+                         f"got data_ptr % 16 = {t.data_ptr() % 16}")
+    return t
+
+
 def sparse_mla_fwd_sm90(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                         d_v: int = D_V, attn_sink: torch.Tensor | None = None,
                         topk_length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -505,6 +536,6 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
     lengths, sink = lengths_and_sink(device, shape.h_q, topk_length, attn_sink)
     kernel = compiled_kernel(shape.h_q, shape.d_qk)
     n_ctas = min(shape.s_q * (shape.h_q // HEADS_PER_CTA), sm_count(device))
-    kernel(_dense(q), _dense(kv[:, 0, :]), _dense(indices), lengths, sink, out, lse,
+    kernel(_aligned_operand(q, "q"), _aligned_operand(kv[:, 0, :], "kv"), _dense(indices), lengths, sink, out, lse,
            float(sm_scale) * LOG2E, int(topk_length is not None), int(attn_sink is not None), n_ctas)
     return out, lse

@@ -22,7 +22,7 @@ reads a half first (in its S) converts it in place after that barrier: its threa
 the chunks producer thread t staged (reads, then overwrites only those), then fence.proxy.async and a
 barrier of that consumer's 128 threads before the S; the other consumer reads the half only after
 the max exchange. So the producer only issues copies, and the conversion runs on 256 threads. Q
-arrives on its own barrier (q_ready), waited for by the consumers before an item's first S.
+arrives by TMA on its own barrier (consumer_parts' load_q), waited for before an item's first S.
 
 Constraints: h_q 64 or 128, d_qk 512 (MODEL1); caches 16-byte aligned, at most 16 GiB each; e4m3
 scales up to 2^7 (kv_quant writes larger ones only for |x| > 57344).
@@ -44,9 +44,10 @@ import tilelang.language as T
 import torch
 
 from engine.h20_ops import kv_quant, sm_count
+from engine.h20_ops.sparse_mla_sm90 import PRELUDE as sm90_prelude
 from engine.h20_ops.sparse_mla_sm90 import (BLOCK_TOPK, COMPILE_FLAGS, D_V, GATHER_ORDER, GATHER_ORDER_NEXT_ITEM,
-                                            HEADS_PER_CTA, LOG2E, SM90_TARGET, _dense, consumer_parts,
-                                            lengths_and_sink)
+                                            HEADS_PER_CTA, LOG2E, SM90_TARGET, _aligned_operand, _dense,
+                                            consumer_parts, lengths_and_sink)
 
 D_QK = 512
 D_NOPE = 448
@@ -61,7 +62,7 @@ PASS_CONFIGS = {
 }
 CONSUMER_NREG, PRODUCER_NREG = 216, 72  # setmaxnreg: 2 * 216 + 72 <= 512
 
-PRELUDE = r"""
+PRELUDE = sm90_prelude + r"""
 // 16-byte cp.async global -> shared (L2 only); ok == false: 16 zero bytes are written, nothing is read.
 template <typename D, typename S>
 __device__ __forceinline__ void fp8_cp16(D *dst, const S *src, bool ok) {
@@ -83,11 +84,6 @@ __device__ __forceinline__ void fp8_cp16s(D *dst, const S *base0, const S *base1
 template <typename D, typename S>
 __device__ __forceinline__ void fp8_cp4s(D *dst, const S *base0, const S *base1, int sel, long long off, bool ok) {
   fp8_cp4(dst, (sel ? base1 : base0) + off, ok);
-}
-// The consumers' additive mask: 0 for a valid entry, -inf for an invalid one.
-template <typename D>
-__device__ __forceinline__ void fp8_st_mask(D *p, bool valid) {
-  *p = valid ? 0.0f : -INFINITY;
 }
 // Dequantize 16 staged e4m3 bytes w (already in registers) times 2^((e & 0xff) - 127) and store them as
 // bf16: dims [0, 8) -> lo, [8, 16) -> hi (the group's two 16-byte chunks).
@@ -184,7 +180,7 @@ def paged_fp8_program(h_q: int):
                     # through an extern store: a plain one makes the thread-sync planner put a producer
                     # barrier between issue_half's two instances in fill_pair (it cannot see that they
                     # exclude each other)
-                    T.evaluate(T.call_extern("handle", "fp8_st_mask", T.address_of(g.valid[b, j]), pr.row[0] >= 0))
+                    T.evaluate(T.call_extern("handle", "st_mask", T.address_of(g.valid[b, j]), pr.row[0] >= 0))
             # row_data16 = (data offset / 16) | (cache << 30) for valid rows, -1 for invalid ones (then: cache
             # bit 1, offset 0: an in-bounds address, not read)
             sel = T.bitwise_and(T.shift_right(pr.row[0], 30), 1)
@@ -286,10 +282,9 @@ def paged_fp8_program(h_q: int):
             final_smem = T.alloc_shared([H], f32)
 
             ring = consumers.ring(
-                q_l=q_l, q_r=q_r, q_t=None, kv_l=kv_l, kv_r=kv_r, k_t=None, p_smem=p_smem, valid=valid,
+                Q=Q, q_l=q_l, q_r=q_r, q_t=None, kv_l=kv_l, kv_r=kv_r, k_t=None, p_smem=p_smem, valid=valid,
                 max_smem=max_smem, sum_smem=sum_smem, final_smem=final_smem, Out=Out, Lse=Lse, Sink=Sink,
-                use_sink=use_sink, scale2=scale2, bx=bx, n_ctas=n_ctas, n_items=s_q * head_tiles, topk=topk,
-                with_q_ready=True)
+                use_sink=use_sink, scale2=scale2, bx=bx, n_ctas=n_ctas, n_items=s_q * head_tiles, topk=topk)
             tx = T.get_thread_binding()
 
             if tx < 128:
@@ -301,7 +296,7 @@ def paged_fp8_program(h_q: int):
                 T.set_max_nreg(CONSUMER_NREG, 1)
                 consumers.consumer1(ring, consumers.fragments())
             else:
-                # Producer: gathers Q (cp.async -> q_ready), then per pair stages the raw fp8 bytes of
+                # Producer: loads Q (thread 0, TMA), then per pair stages the raw fp8 bytes of
                 # blocks 2p and 2p + 1 in the ring with cp.async, half by half in the order the consumers
                 # need them (see fill_pair); the consumers convert them.
                 T.set_max_nreg(PRODUCER_NREG, 0)
@@ -315,8 +310,7 @@ def paged_fp8_program(h_q: int):
                 for k in T.serial(ring.n_local):
                     s_i, h0 = consumers.item_rows(ring, k)
                     limit = T.if_then_else(use_topk_length != 0, T.min(topk, TopkLength[s_i]), topk)
-                    consumers.load_q(ring, Q, k, s_i, h0, t)
-                    T.cp_async_barrier_noinc(ring.q_ready)
+                    consumers.load_q(ring, k, s_i, h0, t)
                     for p in T.serial(ring.n_pairs):
                         phase = ((k * ring.n_pairs + p) & 1) ^ 1
                         # Index phase: thread t resolves entry t of the pair (row t % 64 of buffer t // 64) to
@@ -459,7 +453,7 @@ def sparse_mla_fwd_sm90_paged_fp8(q: torch.Tensor, cache0: torch.Tensor, cache1:
     lengths, sink = lengths_and_sink(device, h_q, topk_length, attn_sink)
     kernel = compiled_kernel(h_q)
     n_ctas = min(s_q * (h_q // HEADS_PER_CTA), sm_count(device))
-    kernel(_dense(q), c0_e4m3, c0_u8, c0_bf16, c1_e4m3, c1_u8, c1_bf16, _dense(indices), lengths, sink, out, lse,
+    kernel(_aligned_operand(q, "q"), c0_e4m3, c0_u8, c0_bf16, c1_e4m3, c1_u8, c1_bf16, _dense(indices), lengths, sink, out, lse,
            float(sm_scale) * LOG2E, int(topk_length is not None), int(attn_sink is not None), n_ctas,
            n_slots0, n_slots1, block_size, block_bytes16_0, block_bytes16_1)
     return out, lse
