@@ -22,11 +22,10 @@ to buffer 1 (an odd last block is paired with an all-invalid one).
   producer warpgroup: per item, its thread 0 loads Q by TMA (one 64 x 64 box per 64 columns,
     signalled on `q_ready`) as soon as both consumers' last S of the previous item is done (`q_free`),
     so Q and the next item's first gathers overlap the previous item's last P V and epilogue; per pair
-    all 128 threads load
-    the 128 indices, tests validity, and gathers the rows with predicated 16-byte cp.async (an
-    invalid entry zero-fills its row, source size 0, so kv is never read) half by half (columns
-    [0, 256) and [256, d_qk)) in the order the consumers need them, each half signalling its own
-    mbarrier (cp.async.mbarrier.arrive);
+    all 128 threads load the 128 indices, test validity, and gather the rows with predicated 16-byte
+    cp.async (an invalid entry zero-fills its row, source size 0, so kv is never read) half by half
+    (columns [0, 256) and [256, d_qk)) in the order the consumers need them, each half signalling its
+    own mbarrier (cp.async.mbarrier.arrive);
   consumer c (c = 0, 1): S_c = Q K_c^T for buffer c's block (wgmma), masks invalid entries to -inf;
     both publish their block's row max and take the pair's max (running max, both blocks) from
     shared memory (a named barrier each way); P_c = exp2(S_c - max) in bf16;

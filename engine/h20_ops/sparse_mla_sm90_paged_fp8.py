@@ -453,7 +453,7 @@ def sparse_mla_fwd_sm90_paged_fp8(q: torch.Tensor, cache0: torch.Tensor, cache1:
     lengths, sink = lengths_and_sink(device, h_q, topk_length, attn_sink)
     kernel = compiled_kernel(h_q)
     n_ctas = min(s_q * (h_q // HEADS_PER_CTA), sm_count(device))
-    kernel(_aligned_operand(q, "q"), c0_e4m3, c0_u8, c0_bf16, c1_e4m3, c1_u8, c1_bf16, _dense(indices), lengths, sink, out, lse,
-           float(sm_scale) * LOG2E, int(topk_length is not None), int(attn_sink is not None), n_ctas,
+    kernel(_aligned_operand(q, "q"), c0_e4m3, c0_u8, c0_bf16, c1_e4m3, c1_u8, c1_bf16, _dense(indices), lengths,
+           sink, out, lse, float(sm_scale) * LOG2E, int(topk_length is not None), int(attn_sink is not None), n_ctas,
            n_slots0, n_slots1, block_size, block_bytes16_0, block_bytes16_1)
     return out, lse
