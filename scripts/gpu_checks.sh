@@ -52,7 +52,7 @@ for s in "$@"; do
                 -p no:cacheprovider tests/test_sparse_mla_sm90_paged_fp8.py -k "test_matches_oracle and extras1" ;;
         ab) step ab_vendored 150 python3 scripts/ab_vendored.py --no-bench
             step ab_decode 200 python3 scripts/ab_decode.py ;;
-        bench) step bench 240 python3 scripts/bench_sparse_mla.py --flaggems-file "$flaggems" ;;
+        bench) step bench 300 python3 scripts/bench_sparse_mla.py --flaggems-file "$flaggems" ;;
         sweep) step sweep 300 python3 scripts/bench_sparse_mla.py --sweep --shapes v4flash512,v32 --flaggems-file "$flaggems" ;;
         decode) step bench_decode 300 python3 scripts/bench_decode.py --batches 1,8,16,32,64,128 ;;
         gather) step row_gather 120 bash -c "nvcc -arch=sm_90a -O3 -o /tmp/bench_row_gather scripts/bench_row_gather.cu && /tmp/bench_row_gather" ;;

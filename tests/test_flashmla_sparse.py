@@ -1,7 +1,8 @@
-"""The pure-Triton sparse MLA kernel (engine.h20_ops.vendor.flashmla_sparse) against the fp32 oracle.
+"""The pure-Triton sparse MLA kernels (engine.h20_ops.vendor.flashmla_sparse) against the fp32 oracle.
 
-The same matrix runs on CPU (Triton interpreter) or, when CUDA is present, on the GPU with bf16
-tensor-core dots. Tolerances are FlashMLA's own (../shared/reference/sparse_mla_contract.md): out
+The same matrix runs on CPU (Triton interpreter: the portable kernel) or, when CUDA is present, on the
+GPU with bf16 tensor-core dots (on SM90 the Gluon kernel for bf16; the portable kernel is checked there
+by its own GPU tests below). Tolerances are FlashMLA's own (../shared/reference/sparse_mla_contract.md): out
 abs 8e-4 or rel 3.01/128 per element and cosine distance <= 7e-6; lse and max_logits abs 1e-6 or
 rel 2.01/65536; +inf/-inf/NaN positions exact.
 """
@@ -81,12 +82,13 @@ def make_inputs(seed: int, s_q: int, h_q: int, d_qk: int, s_kv: int, dtype=torch
 
 
 def check_against_oracle(q, kv, indices, sm_scale, attn_sink=None, topk_length=None,
-                         out_tol=OUT_TOL, stat_tol=STAT_TOL, rows: torch.Tensor | None = None):
-    """Run the kernel on DEVICE and compare with the oracle (on `rows` of the queries only, if given)."""
+                         out_tol=OUT_TOL, stat_tol=STAT_TOL, rows: torch.Tensor | None = None, config=None):
+    """Run the kernel on DEVICE and compare with the oracle (on `rows` of the queries only, if given).
+    `config` selects the portable kernel (on an SM90 GPU bf16 otherwise runs the Gluon kernel)."""
     q, kv, indices, attn_sink, topk_length = (None if t is None else t.to(DEVICE)
                                               for t in (q, kv, indices, attn_sink, topk_length))
     out, max_logits, lse = flash_mla_sparse_fwd(q, kv, indices, sm_scale, attn_sink=attn_sink,
-                                                topk_length=topk_length)
+                                                topk_length=topk_length, config=config)
     assert out.dtype == q.dtype and out.shape == (*q.shape[:2], 512)
     assert max_logits.dtype == torch.float32 and lse.dtype == torch.float32
     if rows is not None:
@@ -384,3 +386,109 @@ def test_qk_is_split_between_warpgroups_in_the_sm90_build(d_qk):
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("QK", "SHARED")))
     assert lines["QK"] == "['4, 2']", result.stdout
     assert int(lines["SHARED"]) <= 232448, "does not fit the 227 KB of shared memory of an SM90 CTA"
+
+
+SM90_GLUON_COMPILE = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from engine.h20_ops.vendor import flashmla_sparse_sm90 as sm90
+
+kernel = sm90.sparse_mla_fwd_sm90_kernel
+pointers = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32",
+            "topk_length_ptr": "*i32", "out_ptr": "*bf16", "max_logits_ptr": "*fp32", "lse_ptr": "*fp32"}
+d_qk = int(sys.argv[1])
+constexprs = dict(H_TILES=1, BLOCK_H=sm90.HEADS_PER_CTA, BLOCK_K=sm90.BLOCK_TOPK, D_V=512, D_ROPE=d_qk - 512,
+                  HAS_SINK=True, HAS_TOPK_LENGTH=True)
+signature, attrs = {}, {}
+for i, name in enumerate(kernel.arg_names):
+    if name in constexprs:
+        signature[name] = "constexpr"
+    elif name in pointers:
+        signature[name] = pointers[name]
+        attrs[(i,)] = [["tt.divisibility", 16]]  # what the JIT sees for real (16-byte aligned) tensors
+    else:
+        signature[name] = "fp32" if name == "qk_scale_log2" else "i32"
+        if name in ("stride_q_s", "stride_q_h", "stride_kv_s", "stride_out_s", "stride_out_h"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=sm90.NUM_WARPS.value))
+open(sys.argv[2], "w").write(compiled.asm["ptx"])
+print("SHARED", compiled.metadata.shared)
+"""
+
+
+@pytest.mark.parametrize("d_qk", [512, 576])
+def test_gluon_sm90_build_fits_without_spills(d_qk, tmp_path):
+    """The Gluon kernel compiled for sm_90 on this machine (no GPU needed): it fits the 227 KB of
+    shared memory, ptxas neither spills (hoisted wgmma descriptors did: 137 spill instructions) nor
+    serializes the wgmmas (C7515), and each consumer computes a whole 64 x 64 block of S (m64n64) and
+    its half of O (m64n256): the schedule the header describes."""
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # a real compile, not the interpreter
+    ptx_path = tmp_path / "kernel.ptx"
+    result = subprocess.run([sys.executable, "-c", SM90_GLUON_COMPILE, str(d_qk), str(ptx_path)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert int(result.stdout.split("SHARED ")[1].split()[0]) <= 232448
+    ptx = ptx_path.read_text()
+    rope_steps = (d_qk - 512) // 16
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") == 2 * (32 + rope_steps)
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2 * 2 * 4
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    report = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx_path), "-o", str(tmp_path / "kernel.cubin")],
+                            capture_output=True, text=True, check=True).stderr
+    assert "C7515" not in report and "C7517" not in report, report
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+def _on_sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+def test_bf16_on_sm90_runs_the_gluon_kernel(monkeypatch):
+    if not _on_sm90():
+        pytest.skip("needs an SM90 GPU")
+    launches = []
+    real_launch = flashmla_sparse.flashmla_sparse_sm90.launch
+    monkeypatch.setattr(flashmla_sparse.flashmla_sparse_sm90, "launch",
+                        lambda *args: launches.append(args[0].dtype) or real_launch(*args))
+    args = _valid_args()
+    flash_mla_sparse_fwd(**args)
+    flash_mla_sparse_fwd(**args, config=flashmla_sparse.default_config(torch.bfloat16))  # the portable kernel
+    flash_mla_sparse_fwd(args["q"].float(), args["kv"].float(), args["indices"], 0.1)  # float32: portable
+    assert launches == [torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["fillers_sink", "topk_length_nan", "non_contiguous"])
+def test_portable_kernel_on_gpu(case):
+    """The portable tl kernel with bf16 tensor-core dots (what other GPUs run) on the trap cases."""
+    config = flashmla_sparse.default_config(torch.bfloat16)
+    if case == "fillers_sink":
+        gen, q, kv = make_inputs(201, 7, 128, 576, 300)
+        indices = random_indices(gen, 7, 300, 100, n_valid=90, fillers=(-1, 300, INT32_MAX, INT32_MIN))
+        kv = poison_unselected(kv, indices)
+        sink = torch.randn(128, generator=gen) * 3
+        sink[0::5] = float("inf")
+        check_against_oracle(q, kv, indices, 576 ** -0.5, attn_sink=sink, config=config)
+    elif case == "topk_length_nan":
+        gen, q, kv = make_inputs(202, 7, 64, 512, 200)
+        indices = random_indices(gen, 7, 200, 130, n_valid=130)
+        topk_length = torch.tensor([0, 1, 63, 64, 65, 130, 500], dtype=torch.int32)
+        kept = torch.where(torch.arange(130)[None, :] < topk_length[:, None].long(), indices[:, 0, :], -1)
+        kv = poison_unselected(kv, kept[:, None, :])
+        check_against_oracle(q, kv, indices, 512 ** -0.5, topk_length=topk_length, config=config)
+    else:
+        gen = torch.Generator().manual_seed(203)
+        q = (0.1 * torch.randn(9, 131, 584, generator=gen)).bfloat16()[1:-1, 2:-1, 4:-4]
+        kv = (0.1 * torch.randn(153, 2, 592, generator=gen)).bfloat16()[2:-1, 1:, 8:-8]
+        indices = random_indices(gen, 8, 150, 95, n_valid=80, fillers=(-1, 150)).expand(8, 2, 95)[1:, 1:, 3:-2]
+        check_against_oracle(q, kv, indices, 576 ** -0.5, config=config)

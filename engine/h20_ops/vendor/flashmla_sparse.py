@@ -1,5 +1,10 @@
 """Sparse MLA prefill in pure Triton, implementing FlashMLA's `flash_mla_sparse_fwd` contract.
 
+Two kernels, chosen by dtype and device (never as a fallback after a failure): bf16 on an SM90 GPU runs
+the warp-specialized Gluon kernel of flashmla_sparse_sm90.py; float32, other GPUs and Triton's
+interpreter (CPU tests) run the portable tl kernel below. Both implement the contract stated here and
+are tested against the fp32 oracle (tests/test_flashmla_sparse.py; on an SM90 GPU both kernels).
+
 Contract (FlashMLA since 2026-01; ../shared/reference/sparse_mla_contract.md):
   flash_mla_sparse_fwd(q [s_q, h_q, d_qk], kv [s_kv, 1, d_qk], indices [s_q, 1, topk] or [s_q, topk]
   int32, sm_scale, d_v=512, attn_sink [h_q] fp32 | None, topk_length [s_q] int32 | None)
@@ -10,14 +15,14 @@ Contract (FlashMLA since 2026-01; ../shared/reference/sparse_mla_contract.md):
   1 / (1 + exp(sink - lse)) and never changes lse or max_logits (+inf sink -> out 0). A row without a
   valid entry: out 0, max_logits -inf, lse +inf.
 
-Numerics: one program per (query, 64-head tile); the top-k list is walked in blocks of BLOCK_K
-entries; each block of kv rows is gathered once and feeds both Q.K^T and P.V (V = the first d_v = 512
-columns of kv; for d_qk 576 the 64 trailing RoPE columns are a second, small Q.K^T); each of the two
-warpgroups computes half of a block's Q.K^T columns, and each block's indices are loaded one
-iteration ahead of its gather. tl.dot takes bf16
-operands with fp32 accumulators (P is rounded to bf16 for P.V, as in FlashMLA); the online softmax
-runs in the exp2 domain with sm_scale * log2(e) folded into the scores, and lse / max_logits are
-converted back to natural log at the end. Speed and tuning: docs/perf.md, docs/triton_kernel_notes.md.
+Numerics of the portable kernel: one program per (query, 64-head tile); the top-k list is walked in
+blocks of BLOCK_K entries; each block of kv rows is gathered once and feeds both Q.K^T and P.V (V = the
+first d_v = 512 columns of kv; for d_qk 576 the 64 trailing RoPE columns are a second, small Q.K^T);
+each of the two warpgroups computes half of a block's Q.K^T columns, and each block's indices are
+loaded one iteration ahead of its gather. tl.dot takes bf16 operands with fp32 accumulators (P is
+rounded to bf16 for P.V, as in FlashMLA); the online softmax runs in the exp2 domain with
+sm_scale * log2(e) folded into the scores, and lse / max_logits are converted back to natural log at
+the end. Speed and tuning: docs/perf.md, docs/triton_kernel_notes.md.
 
 Constraints: h_q 64 or 128, d_qk 512 or 576, d_v 512, h_kv 1, topk >= 1 (any: the last block is
 masked, callers pad nothing), any s_q (1-D grid; 64-bit offsets), last dims contiguous (leading dims
@@ -41,6 +46,7 @@ import triton
 import triton.language as tl
 
 from engine.h20_ops.checks import check_sparse_mla_args
+from engine.h20_ops.vendor import flashmla_sparse_sm90
 
 LOG2E = 1.0 / math.log(2.0)
 _HEADS_PER_PROGRAM = 64
@@ -164,11 +170,18 @@ def default_config(dtype: torch.dtype) -> KernelConfig:
     return KernelConfig(block_k=64, num_warps=8, num_stages=2)
 
 
+def runs_sm90_kernel(q: torch.Tensor) -> bool:
+    """Whether flash_mla_sparse_fwd(q, ...) without `config` runs the Gluon SM90 kernel."""
+    return not _INTERPRET and q.dtype == torch.bfloat16 and q.is_cuda and \
+        torch.cuda.get_device_capability(q.device) == (9, 0)
+
+
 def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                          d_v: int = 512, attn_sink: torch.Tensor | None = None,
                          topk_length: torch.Tensor | None = None, *, config: KernelConfig | None = None):
     """FlashMLA's sparse prefill forward (see the module header). Returns (out, max_logits, lse);
-    lse natural log. `config` overrides the tuned launch parameters (benchmarks only)."""
+    lse natural log. `config` runs the portable kernel with these launch parameters (benchmarks, and
+    tests of that kernel on an SM90 GPU)."""
     shape, indices = check_sparse_mla_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
                                            q_dtypes=(torch.bfloat16, torch.float32))
     if not (q.is_cuda or _INTERPRET):
@@ -180,6 +193,9 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     max_logits = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
     lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
     if s_q == 0:
+        return out, max_logits, lse
+    if config is None and runs_sm90_kernel(q):
+        flashmla_sparse_sm90.launch(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits, lse)
         return out, max_logits, lse
     if config is None:
         config = default_config(q.dtype)
