@@ -324,6 +324,25 @@ def test_long_s_q_beyond_grid_axis_limit():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("h_q,d_qk", [(64, 512), (128, 576)])
+def test_several_items_per_cta_with_empty_items(h_q, d_qk):
+    """The SM90 kernel's grid is persistent (one CTA per SM, each serving many query x head-tile
+    items, its buffer phases running on across them): 300 queries with a third of them empty
+    (topk_length 0) between the others, odd block counts, sinks +-inf, NaN in unselected rows."""
+    s_q, s_kv, topk = 300, 2000, 200
+    gen, q, kv = make_inputs(121 + h_q, s_q, h_q, d_qk, s_kv)
+    indices = random_indices(gen, s_q, s_kv, topk, n_valid=170, fillers=(-1, s_kv, INT32_MIN))
+    topk_length = torch.randint(0, topk + 1, (s_q,), generator=gen, dtype=torch.int32)
+    topk_length[torch.rand(s_q, generator=gen) < 0.33] = 0
+    kept = torch.where(torch.arange(topk)[None, :] < topk_length[:, None].long(), indices[:, 0, :], -1)
+    kv = poison_unselected(kv, kept[:, None, :])
+    sink = torch.randn(h_q, generator=gen)
+    sink[0::7] = float("inf")
+    sink[1::7] = float("-inf")
+    check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=sink, topk_length=topk_length)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("h_q,d_qk,topk", [(64, 512, 512), (128, 576, 2048)])
 def test_model_shapes_on_gpu(h_q, d_qk, topk):
     s_q, s_kv = 64, 4096
