@@ -352,7 +352,29 @@ def test_model_shapes_on_gpu(h_q, d_qk, topk):
     check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=torch.randn(h_q, generator=gen))
 
 
-SM90_COMPILE = r"""
+# The argument types and attributes the JIT gives a launch of either kernel with 16-byte aligned
+# tensors (prepended to both offline compile scripts below).
+SM90_SIGNATURE = r"""
+POINTERS = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32",
+            "topk_length_ptr": "*i32", "out_ptr": "*bf16", "max_logits_ptr": "*fp32", "lse_ptr": "*fp32"}
+
+
+def signature_of(kernel, constexprs):
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in POINTERS:
+            signature[name] = POINTERS[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32" if name == "qk_scale_log2" else "i32"
+            if name in ("stride_q_s", "stride_q_h", "stride_kv_s", "stride_out_s", "stride_out_h"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, attrs
+"""
+
+SM90_COMPILE = SM90_SIGNATURE + r"""
 import re, sys
 import torch
 import triton
@@ -361,23 +383,11 @@ from triton.compiler import ASTSource
 from engine.h20_ops.vendor import flashmla_sparse as fs
 
 kernel = fs._sparse_mla_fwd_kernel
-pointers = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32",
-            "topk_length_ptr": "*i32", "out_ptr": "*bf16", "max_logits_ptr": "*fp32", "lse_ptr": "*fp32"}
 d_qk = int(sys.argv[1])
 cfg = fs.default_config(torch.bfloat16)
 constexprs = dict(H_TILES=1, BLOCK_H=64, BLOCK_K=cfg.block_k, D_V=512, D_ROPE=d_qk - 512, HAS_SINK=True,
                   HAS_TOPK_LENGTH=True, DOT_F32=False, INPUT_PRECISION="tf32")
-signature, attrs = {}, {}
-for i, name in enumerate(kernel.arg_names):
-    if name in constexprs:
-        signature[name] = "constexpr"
-    elif name in pointers:
-        signature[name] = pointers[name]
-        attrs[(i,)] = [["tt.divisibility", 16]]  # what the JIT sees for real (16-byte aligned) tensors
-    else:
-        signature[name] = "fp32" if name == "qk_scale_log2" else "i32"
-        if name in ("stride_q_s", "stride_q_h", "stride_kv_s", "stride_out_s", "stride_out_h"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
+signature, attrs = signature_of(kernel, constexprs)
 compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 ttgir = compiled.asm["ttgir"]
@@ -407,7 +417,7 @@ def test_qk_is_split_between_warpgroups_in_the_sm90_build(d_qk):
     assert int(lines["SHARED"]) <= 232448, "does not fit the 227 KB of shared memory of an SM90 CTA"
 
 
-SM90_GLUON_COMPILE = r"""
+SM90_GLUON_COMPILE = SM90_SIGNATURE + r"""
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
@@ -415,22 +425,10 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from engine.h20_ops.vendor import flashmla_sparse_sm90 as sm90
 
 kernel = sm90.sparse_mla_fwd_sm90_kernel
-pointers = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32",
-            "topk_length_ptr": "*i32", "out_ptr": "*bf16", "max_logits_ptr": "*fp32", "lse_ptr": "*fp32"}
 d_qk = int(sys.argv[1])
 constexprs = dict(H_TILES=1, BLOCK_H=sm90.HEADS_PER_CTA, BLOCK_K=sm90.BLOCK_TOPK, D_V=512, D_ROPE=d_qk - 512,
                   HAS_SINK=True, HAS_TOPK_LENGTH=True)
-signature, attrs = {}, {}
-for i, name in enumerate(kernel.arg_names):
-    if name in constexprs:
-        signature[name] = "constexpr"
-    elif name in pointers:
-        signature[name] = pointers[name]
-        attrs[(i,)] = [["tt.divisibility", 16]]  # what the JIT sees for real (16-byte aligned) tensors
-    else:
-        signature[name] = "fp32" if name == "qk_scale_log2" else "i32"
-        if name in ("stride_q_s", "stride_q_h", "stride_kv_s", "stride_out_s", "stride_out_h"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
+signature, attrs = signature_of(kernel, constexprs)
 compiled = triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=sm90.NUM_WARPS.value))
 open(sys.argv[2], "w").write(compiled.asm["ptx"])
@@ -484,6 +482,41 @@ def test_bf16_on_sm90_runs_the_gluon_kernel(monkeypatch):
     flash_mla_sparse_fwd(**args, config=flashmla_sparse.default_config(torch.bfloat16))  # the portable kernel
     flash_mla_sparse_fwd(args["q"].float(), args["kv"].float(), args["indices"], 0.1)  # float32: portable
     assert launches == [torch.bfloat16]
+
+
+def _placed(t: torch.Tensor, width: int, start: int) -> torch.Tensor:
+    """t's values as a view into a wider buffer: last-dim rows `width` elements apart, `start` in."""
+    buf = torch.zeros(*t.shape[:-1], width, dtype=t.dtype, device=t.device)
+    return buf[..., start:start + t.shape[-1]].copy_(t)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["q_start", "q_head_stride", "kv_row_stride", "aligned_strided"])
+def test_rows_16_byte_cp_async_cannot_read_run_the_portable_kernel(layout, monkeypatch):
+    """Strided views the contract allows but the Gluon kernel's 16-byte cp.async cannot read (a start
+    or a row stride not 16-byte aligned: it would not compile) get the portable kernel, with a correct
+    result; an aligned strided view gets the Gluon kernel. The views are made on the GPU (moving a
+    strided CPU view there would make it contiguous)."""
+    if not _on_sm90():
+        pytest.skip("needs an SM90 GPU")
+    launches = []
+    real_launch = flashmla_sparse.flashmla_sparse_sm90.launch
+    monkeypatch.setattr(flashmla_sparse.flashmla_sparse_sm90, "launch",
+                        lambda *args: launches.append(1) or real_launch(*args))
+    s_q, h_q, d_qk, s_kv, topk = 5, 64, 576, 300, 100
+    _, q, kv = make_inputs(131, s_q, h_q, d_qk, s_kv, device=DEVICE)
+    gen = torch.Generator().manual_seed(132)  # random_indices draws on the CPU
+    if layout == "q_start":
+        q = _placed(q, d_qk + 16, 4)  # starts 8 bytes into its buffer
+    elif layout == "q_head_stride":
+        q = _placed(q, d_qk + 8, 0)  # q.stride(1) = 584 elements
+    elif layout == "kv_row_stride":
+        kv = _placed(kv, d_qk + 8, 0)  # kv.stride(0) = 584 elements
+    else:
+        q, kv = _placed(q, d_qk + 16, 8), _placed(kv, d_qk + 32, 16)
+    indices = random_indices(gen, s_q, s_kv, topk, n_valid=90, fillers=(-1, s_kv)).to(DEVICE)
+    check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=torch.randn(h_q, generator=gen))
+    assert launches == ([1] if layout == "aligned_strided" else [])
 
 
 @pytest.mark.gpu

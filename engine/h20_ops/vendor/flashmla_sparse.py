@@ -1,9 +1,11 @@
 """Sparse MLA prefill in pure Triton, implementing FlashMLA's `flash_mla_sparse_fwd` contract.
 
-Two kernels, chosen by dtype and device (never as a fallback after a failure): bf16 on an SM90 GPU runs
-the warp-specialized Gluon kernel of flashmla_sparse_sm90.py; float32, other GPUs and Triton's
-interpreter (CPU tests) run the portable tl kernel below. Both implement the contract stated here and
-are tested against the fp32 oracle (tests/test_flashmla_sparse.py; on an SM90 GPU both kernels).
+Two kernels, chosen by dtype, device and layout before launching (never as a fallback after a
+failure): bf16 on an SM90 GPU with 16-byte aligned rows runs the warp-specialized Gluon kernel of
+flashmla_sparse_sm90.py; float32, other GPUs, Triton's interpreter (CPU tests) and rows that 16-byte
+cp.async cannot read (see runs_sm90_kernel) run the portable tl kernel below. Both implement the
+contract stated here and are tested against the fp32 oracle (tests/test_flashmla_sparse.py; on an SM90
+GPU both kernels).
 
 Contract (FlashMLA since 2026-01; ../shared/reference/sparse_mla_contract.md):
   flash_mla_sparse_fwd(q [s_q, h_q, d_qk], kv [s_kv, 1, d_qk], indices [s_q, 1, topk] or [s_q, topk]
@@ -170,10 +172,17 @@ def default_config(dtype: torch.dtype) -> KernelConfig:
     return KernelConfig(block_k=64, num_warps=8, num_stages=2)
 
 
-def runs_sm90_kernel(q: torch.Tensor) -> bool:
-    """Whether flash_mla_sparse_fwd(q, ...) without `config` runs the Gluon SM90 kernel."""
-    return not _INTERPRET and q.dtype == torch.bfloat16 and q.is_cuda and \
-        torch.cuda.get_device_capability(q.device) == (9, 0)
+def runs_sm90_kernel(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Whether flash_mla_sparse_fwd(q, kv, ...) without `config` runs the Gluon SM90 kernel: bf16 on an
+    SM90 GPU, q / kv data pointers 16-byte aligned and their row strides multiples of 16 elements (what
+    Triton's JIT specializes on; the kernel reads rows by 16-byte cp.async, and without that guarantee
+    it does not compile). Other layouts, which the contract allows, run the portable kernel."""
+    if _INTERPRET or q.dtype != torch.bfloat16 or not q.is_cuda:
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    rows_aligned = all(stride % 16 == 0 for stride in (q.stride(0), q.stride(1), kv.stride(0)))
+    return rows_aligned and q.data_ptr() % 16 == 0 and kv.data_ptr() % 16 == 0
 
 
 def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
@@ -194,7 +203,7 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
     if s_q == 0:
         return out, max_logits, lse
-    if config is None and runs_sm90_kernel(q):
+    if config is None and runs_sm90_kernel(q, kv):
         flashmla_sparse_sm90.launch(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits, lse)
         return out, max_logits, lse
     if config is None:
