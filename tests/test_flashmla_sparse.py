@@ -469,14 +469,21 @@ def _on_sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.mark.gpu
-def test_bf16_on_sm90_runs_the_gluon_kernel(monkeypatch):
-    if not _on_sm90():
-        pytest.skip("needs an SM90 GPU")
+@pytest.fixture
+def gluon_launches(monkeypatch) -> list:
+    """The dtypes of q in the Gluon kernel's launches during the test (it still runs)."""
     launches = []
     real_launch = flashmla_sparse.flashmla_sparse_sm90.launch
     monkeypatch.setattr(flashmla_sparse.flashmla_sparse_sm90, "launch",
                         lambda *args: launches.append(args[0].dtype) or real_launch(*args))
+    return launches
+
+
+@pytest.mark.gpu
+def test_bf16_on_sm90_runs_the_gluon_kernel(gluon_launches):
+    if not _on_sm90():
+        pytest.skip("needs an SM90 GPU")
+    launches = gluon_launches
     args = _valid_args()
     flash_mla_sparse_fwd(**args)
     flash_mla_sparse_fwd(**args, config=flashmla_sparse.default_config(torch.bfloat16))  # the portable kernel
@@ -492,17 +499,13 @@ def _placed(t: torch.Tensor, width: int, start: int) -> torch.Tensor:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["q_start", "q_head_stride", "kv_row_stride", "aligned_strided"])
-def test_rows_16_byte_cp_async_cannot_read_run_the_portable_kernel(layout, monkeypatch):
+def test_rows_16_byte_cp_async_cannot_read_run_the_portable_kernel(layout, gluon_launches):
     """Strided views the contract allows but the Gluon kernel's 16-byte cp.async cannot read (a start
     or a row stride not 16-byte aligned: it would not compile) get the portable kernel, with a correct
     result; an aligned strided view gets the Gluon kernel. The views are made on the GPU (moving a
     strided CPU view there would make it contiguous)."""
     if not _on_sm90():
         pytest.skip("needs an SM90 GPU")
-    launches = []
-    real_launch = flashmla_sparse.flashmla_sparse_sm90.launch
-    monkeypatch.setattr(flashmla_sparse.flashmla_sparse_sm90, "launch",
-                        lambda *args: launches.append(1) or real_launch(*args))
     s_q, h_q, d_qk, s_kv, topk = 5, 64, 576, 300, 100
     _, q, kv = make_inputs(131, s_q, h_q, d_qk, s_kv, device=DEVICE)
     gen = torch.Generator().manual_seed(132)  # random_indices draws on the CPU
@@ -516,7 +519,7 @@ def test_rows_16_byte_cp_async_cannot_read_run_the_portable_kernel(layout, monke
         q, kv = _placed(q, d_qk + 16, 8), _placed(kv, d_qk + 32, 16)
     indices = random_indices(gen, s_q, s_kv, topk, n_valid=90, fillers=(-1, s_kv)).to(DEVICE)
     check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=torch.randn(h_q, generator=gen))
-    assert launches == ([1] if layout == "aligned_strided" else [])
+    assert gluon_launches == ([torch.bfloat16] if layout == "aligned_strided" else [])
 
 
 @pytest.mark.gpu
