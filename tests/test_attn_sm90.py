@@ -331,23 +331,27 @@ def test_split_uses_stride0_query_for_a_single_row(ref_backend, dispatcher_calls
 
 def test_auto_split_choice():
     cpu = torch.device("cpu")  # 132 SMs assumed off-GPU
-    assert attn._choose_splits(1, 64, 640, cpu) == 10  # chunks of 64 entries
-    assert attn._choose_splits(4, 64, 640, cpu) == 10  # 4 programs x 32 SMs <= 132
-    assert attn._choose_splits(8, 64, 640, cpu) == 1
+    # 640 entries = 5 pairs of 64-entry blocks: chunks are whole pairs
+    assert attn._choose_splits(1, 64, 640, cpu) == 5
+    assert attn._choose_splits(16, 64, 640, cpu) == 5  # 16 programs x 8 SMs <= 132; 80 chunks <= 99
+    assert attn._choose_splits(17, 64, 640, cpu) == 1
     assert attn._choose_splits(128, 64, 640, cpu) == 1  # one wave already
-    assert attn._choose_splits(1, 128, 640, cpu) == 10
-    assert attn._choose_splits(40, 128, 640, cpu) == 1
-    assert attn._choose_splits(1, 64, 40, cpu) == 1  # too short to split
+    assert attn._choose_splits(1, 128, 640, cpu) == 5
+    assert attn._choose_splits(8, 128, 640, cpu) == 5  # 16 programs
+    assert attn._choose_splits(1, 64, 128, cpu) == 1  # one pair: nothing to gain
+    assert attn._choose_splits(1, 64, 129, cpu) == 2
     paged = attn.PAGED_SPLIT_SMS_PER_PROGRAM
-    assert attn._choose_splits(8, 64, 640, cpu, paged) == 10
-    assert attn._choose_splits(16, 64, 640, cpu, paged) == 8  # 132 // 16 chunks
-    assert attn._choose_splits(32, 64, 640, cpu, paged) == 1
+    assert attn._choose_splits(19, 64, 640, cpu, paged) == 5  # 95 chunks
+    assert attn._choose_splits(20, 64, 640, cpu, paged) == 3  # 100 would not fit 99: 2 pairs per chunk
+    assert attn._choose_splits(33, 64, 640, cpu, paged) == 3
+    assert attn._choose_splits(34, 64, 640, cpu, paged) == 1  # 34 programs x 4 SMs > 132
+    assert attn._choose_splits(12, 128, 640, cpu, paged) == 3  # 24 programs: 99 // 24 = 4 -> 2 pairs -> 3 chunks
 
 
 def test_auto_split_engages_for_one_request(ref_backend, dispatcher_calls):
     case, _ = make_decode_case(16, 1, 2, 64, 128, topk=64, etopk=128, dtype=torch.float32)
-    out, lse = run_decode(case)  # num_splits=None: 2 programs on 132 SMs -> 3 chunks of 64 entries
-    assert dispatcher_calls[0]["indices"].shape == (2 * 3, 64)
+    out, lse = run_decode(case)  # num_splits=None: 2 programs on 132 SMs -> 2 chunks of 96 entries (a pair each)
+    assert dispatcher_calls[0]["indices"].shape == (2 * 2, 96)
     assert_matches(out, lse, oracle(case), exact=True)
 
 

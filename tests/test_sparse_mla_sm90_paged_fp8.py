@@ -3,7 +3,8 @@
 
 CPU: both variants (h_q 64, 128) lower and nvcc-compile for sm_90a; ptxas keeps the wgmmas
 asynchronous without spills; the producer stages the fp8 bytes with 16-byte cp.async, the consumers
-convert them behind their own barriers, and O leaves by TMA; bad caches are rejected by name. GPU (@pytest.mark.gpu): against the float32 oracle on the
+convert them behind their own barriers, and O leaves by TMA; the kernel waits for the previous
+kernel before any global access (programmatic dependent launch); bad caches are rejected by name. GPU (@pytest.mark.gpu): against the float32 oracle on the
 torch-dequantized rows of both caches (cache 0's rows, then cache 1's: the kernel's indices are
 absolute rows of that concatenation), with invalid fillers, lengths, sinks and e4m3 NaN codes in every
 slot no valid entry selects."""
@@ -41,7 +42,14 @@ def test_kernel_compiles_async_without_spills(h_q):
     assert src.count("mbarrier_cp_async_arrive_noinc(") == 2 * 4 and "__launch_bounds__(384, 1)" in src
     assert src.count("tma_load(Q_desc,") == 512 // 64
     assert src.count("sync_thread_partial(6, 128)") == 2 and src.count("sync_thread_partial(7, 128)") == 2
+    # programmatic dependent launch: every thread waits for the previous kernel before its first global
+    # access (Q's TMA load, the slot ids, the caches, the outputs)
+    body = src[src.index("__global__"):]
+    wait = body.index("cudaGridDependencySynchronize();")
+    assert body.count("cudaGridDependencySynchronize();") == 1
+    assert all(wait < body.index(access) for access in ("tma_load(Q_desc,", "Indices[", "Lse[", "fp8_cp16s("))
     ptx = kernel._get_ptx()
+    assert "griddepcontrol.wait" in ptx
     assert "cp.async.cg.shared.global" in ptx
     assert "ex2.approx.ftz.f32" in ptx and "ex2.approx.f32" not in ptx  # built with --use_fast_math
     if shutil.which("ptxas") is None:

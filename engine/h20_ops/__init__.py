@@ -20,3 +20,11 @@ def sm_count(device: torch.device) -> int:
     """SMs of a CUDA device (persistent grids and decode splits are sized by it); DEFAULT_SM_COUNT
     for any other device (the Triton interpreter)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SM_COUNT
+
+
+@functools.cache
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on this device use programmatic dependent launch (SM90+): a kernel launched with
+    it may start while the previous kernel of its stream finishes, and waits for that kernel
+    (griddepcontrol.wait) before its first global memory access."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9

@@ -18,11 +18,13 @@ position < topk_length[b] (extra_topk_length[b]); every other entry becomes -1 B
 an invalid value can never land on another request's row. The kernel therefore needs no topk_length.
 
 Flash-decoding split: when B * s_q * ceil(H / 64) programs leave SPLIT_SMS_PER_PROGRAM SMs each, each
-query's index list is cut into S chunks that run as S x more query rows of the same single launch
-(q rows repeated: a stride-0 view when B * s_q == 1, else one small copy). One Triton launch
-(_merge_splits_kernel) merges the partial (out, lse base 2) by lse and applies the sink once
-(_apply_sink); without a split the kernel applies the sink.
-Launches per decode call: build rows, attention (+ q copy and merge with a split).
+query's index list is cut into S chunks of whole pairs of 64-entry blocks (the kernels' step) that run
+as S x more query rows of the same single launch (q rows repeated: a stride-0 view when B * s_q == 1,
+else one small copy). One Triton launch (_merge_splits_kernel) merges the partial (out, lse base 2)
+by lse and applies the sink once (_apply_sink); without a split the kernel applies the sink.
+Launches per decode call: build rows, attention (+ q copy and merge with a split). On SM90 the build
+and merge launches (and the paged fp8 kernel) use programmatic dependent launch: each waits for the
+kernel before it (griddepcontrol.wait) before touching memory, so its launch overlaps that kernel's end.
 
 Paged fp8 decode (decode_attn_sparse_paged_fp8, TileLang backend only): the same entries, but the
 kernel reads the rows from the paged fp8 MODEL1 caches itself; the same build launch turns each
@@ -41,20 +43,26 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.h20_ops import kv_quant, sm_count, sparse_mla
+from engine.h20_ops import dependent_launch, kv_quant, sm_count, sparse_mla
 from engine.h20_ops.checks import (check_decode_args, check_paged_decode_args, check_sink, require_same_device,
                                    require_scale, require_tensor)
 
 D_V = 512
 HEADS_PER_PROGRAM = 64  # the kernels' head tile
-SPLIT_GRANULE = 64  # minimum entries per split chunk: the kernels gather top-k entries in blocks of 64
+# The SM90 kernels walk a query's entries in pairs of 64-entry blocks, so split chunks are cut in
+# whole pairs (a 64-entry chunk costs as much as a 128-entry one).
+SPLIT_GRANULE = 128
 # The automatic split engages when every program (query row, 64 heads) has at least this many SMs to
-# itself. Measured with CUDA graphs on an H200 (2026-11-30, docs/decode.md): the buffer path gained from
-# the split at 1 program and lost 6-20% at 8-64; the paged fp8 kernel, whose single item takes longer,
-# gained at 1-16 programs and lost at 32-64.
-SPLIT_SMS_PER_PROGRAM = 32
-PAGED_SPLIT_SMS_PER_PROGRAM = 8
+# itself, and cuts each list into the fewest chunks that reach the fewest pairs per chunk while all
+# chunks fill at most SPLIT_MAX_SM_SHARE of the SMs (more items than that contend for the row loads and
+# lose). Measured with CUDA graphs on an H200 (2026-11-30, docs/decode.md, 640 entries per query): the
+# buffer path gains from 1 to 8 programs and breaks even at 16; the paged fp8 kernel, whose single
+# item takes longer, gains up to 32 programs and loses from 40 on.
+SPLIT_SMS_PER_PROGRAM = 8
+PAGED_SPLIT_SMS_PER_PROGRAM = 4
+SPLIT_MAX_SM_SHARE = 0.75
 _Q_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -255,25 +263,21 @@ def _extra_follows_window(kv: torch.Tensor, extra: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _append_entries(out_row, first, local_row, k, length_ptr, b, limit, base, table_row, n_slots,
-                    HAS_LENGTH: tl.constexpr, HAS_TABLE: tl.constexpr, BLOCK: tl.constexpr):
-    """out_row[first + j] for entry j < k: base + local_row[j] (a row of the kv buffer) or, with a slot
-    table, base + table_row[local_row[j]] (a slot id of a paged cache; valid only if that slot is in
-    [0, n_slots)); -1 if the entry is invalid."""
+def _list_entries(idx_row, pos, k, length_ptr, b, limit, base, table_row, n_slots,
+                  HAS_LENGTH: tl.constexpr, HAS_TABLE: tl.constexpr):
+    """Entries pos of one index list of k entries: base + idx (a row of the kv buffer) or, with a slot
+    table, base + table_row[idx] (a slot id of a paged cache, valid only if that slot is in [0, n_slots));
+    -1 for an invalid entry and for a position outside [0, k)."""
+    in_list = (pos >= 0) & (pos < k)
+    idx = tl.load(idx_row + pos, mask=in_list, other=-1).to(tl.int64)
+    valid = in_list & (idx >= 0) & (idx < limit)
     if HAS_LENGTH:
-        length = tl.load(length_ptr + b)
-    for start in range(0, k, BLOCK):
-        pos = start + tl.arange(0, BLOCK)
-        in_list = pos < k
-        idx = tl.load(local_row + pos, mask=in_list, other=-1).to(tl.int64)
-        valid = (idx >= 0) & (idx < limit)
-        if HAS_LENGTH:
-            valid = valid & (pos < length)
-        if HAS_TABLE:
-            idx = tl.load(table_row + tl.where(valid, idx, 0), mask=in_list & valid, other=-1).to(tl.int64)
-            valid = valid & (idx >= 0) & (idx < n_slots)
-        # invalid -> -1 BEFORE the shift: no filler can become another request's row
-        tl.store(out_row + first + pos, tl.where(valid, idx + base, -1).to(tl.int32), mask=in_list)
+        valid = valid & (pos < tl.load(length_ptr + b))
+    if HAS_TABLE:
+        idx = tl.load(table_row + tl.where(valid, idx, 0), mask=valid, other=-1).to(tl.int64)
+        valid = valid & (idx >= 0) & (idx < n_slots)
+    # invalid -> -1 BEFORE the shift: no filler can become another request's row
+    return tl.where(valid, idx + base, -1)
 
 
 @triton.jit
@@ -282,28 +286,29 @@ def _build_rows_kernel(out_ptr, out_len, s_q, request_stride,
                        eidx_ptr, eidx_stride_b, eidx_stride_s, etopk, elen_ptr, extra, etable_ptr, etable_stride,
                        en_slots,
                        HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_ELEN: tl.constexpr,
-                       HAS_TABLE: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_TABLE: tl.constexpr, BLOCK: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+    """Program (row, j): positions [j * BLOCK, (j + 1) * BLOCK) of query row's list."""
+    if DEPENDENT_LAUNCH:  # wait for the previous kernel before touching memory; let the attention kernel launch
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     b = row // s_q
     s = row % s_q
-    out_row = out_ptr + row.to(tl.int64) * out_len
+    pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     if HAS_TABLE:  # slot ids: the first cache's as they are, the extra cache's after them
         base = tl.zeros([], tl.int64)
         extra_base = base + n_slots
     else:  # rows of the kv buffer: request b's window at b * R, its extra rows right after
         base = b.to(tl.int64) * request_stride
         extra_base = base + width
-    _append_entries(out_row, 0, idx_ptr + b.to(tl.int64) * idx_stride_b + s * idx_stride_s, topk, len_ptr, b,
-                    width, base, table_ptr + b.to(tl.int64) * table_stride, n_slots, HAS_LEN, HAS_TABLE, BLOCK)
-    used = topk
-    if HAS_EXTRA:
-        _append_entries(out_row, topk, eidx_ptr + b.to(tl.int64) * eidx_stride_b + s * eidx_stride_s, etopk,
-                        elen_ptr, b, extra, extra_base, etable_ptr + b.to(tl.int64) * etable_stride, en_slots,
-                        HAS_ELEN, HAS_TABLE, BLOCK)
-        used = topk + etopk
-    for start in range(used, out_len, BLOCK):  # padding up to splits * chunk
-        pos = start + tl.arange(0, BLOCK)
-        tl.store(out_row + pos, tl.full([BLOCK], -1, tl.int32), mask=pos < out_len)
+    entries = _list_entries(idx_ptr + b.to(tl.int64) * idx_stride_b + s * idx_stride_s, pos, topk, len_ptr, b,
+                            width, base, table_ptr + b.to(tl.int64) * table_stride, n_slots, HAS_LEN, HAS_TABLE)
+    if HAS_EXTRA:  # main entries, then extra entries, then -1 padding up to splits * chunk
+        extra_entries = _list_entries(eidx_ptr + b.to(tl.int64) * eidx_stride_b + s * eidx_stride_s, pos - topk,
+                                      etopk, elen_ptr, b, extra, extra_base,
+                                      etable_ptr + b.to(tl.int64) * etable_stride, en_slots, HAS_ELEN, HAS_TABLE)
+        entries = tl.where(pos < topk, entries, extra_entries)
+    tl.store(out_ptr + row.to(tl.int64) * out_len + pos, entries.to(tl.int32), mask=pos < out_len)
 
 
 def _build_rows(indices, topk_length, width, extra_indices, extra_topk_length, extra, out_len, *,
@@ -327,7 +332,9 @@ def _build_rows(indices, topk_length, width, extra_indices, extra_topk_length, e
     eidx = extra_indices if has_extra else indices
     table = slots if has_table else indices
     etable = extra_slots if has_table and has_extra else table
-    _build_rows_kernel[(batch * s_q,)](
+    block = 128
+    dependent = dependent_launch(indices.device)
+    _build_rows_kernel[(batch * s_q, triton.cdiv(out_len, block))](
         out, out_len, s_q, request_stride,
         indices, indices.stride(0), indices.stride(1), topk, indices if topk_length is None else topk_length, width,
         table, table.stride(0), n_slots[0],
@@ -335,18 +342,23 @@ def _build_rows(indices, topk_length, width, extra_indices, extra_topk_length, e
         indices if extra_topk_length is None else extra_topk_length, extra or 0, etable, etable.stride(0),
         n_slots[1],
         HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra, HAS_ELEN=extra_topk_length is not None,
-        HAS_TABLE=has_table, BLOCK=256, num_warps=4)
+        HAS_TABLE=has_table, BLOCK=block, DEPENDENT_LAUNCH=dependent, num_warps=4, launch_pdl=dependent)
     return out
 
 
 def _choose_splits(n_rows: int, heads: int, list_len: int, device: torch.device,
                    sms_per_program: int = SPLIT_SMS_PER_PROGRAM) -> int:
-    """Split only when every program has at least sms_per_program SMs; chunks of >= SPLIT_GRANULE entries."""
+    """Split only when every program has at least sms_per_program SMs; then the fewest chunks with the
+    fewest SPLIT_GRANULE-entry steps each such that all chunks fit in SPLIT_MAX_SM_SHARE of the SMs."""
     sms = sm_count(device)
     programs = n_rows * -(-heads // HEADS_PER_PROGRAM)
     if programs * sms_per_program > sms:
         return 1
-    return max(1, min(sms // programs, -(-list_len // SPLIT_GRANULE)))
+    steps = -(-list_len // SPLIT_GRANULE)
+    most = min(steps, int(sms * SPLIT_MAX_SM_SHARE) // programs)
+    if most <= 1:
+        return 1
+    return -(-steps // -(-steps // most))
 
 
 @triton.jit
@@ -365,7 +377,11 @@ def _apply_sink(out, lse_base2, sink):
 @triton.jit
 def _merge_splits_kernel(parts_ptr, parts_stride_row, parts_stride_h, lse_parts_ptr, lse_parts_stride_row,
                          lse_parts_stride_h, sink_ptr, out_ptr, lse_ptr, splits, heads,
-                         HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, DV: tl.constexpr):
+                         HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, DV: tl.constexpr,
+                         DEPENDENT_LAUNCH: tl.constexpr):
+    if DEPENDENT_LAUNCH:  # wait for the attention kernel before touching memory
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_heads = h < heads
@@ -408,8 +424,10 @@ def _merge_splits(out_parts: torch.Tensor, lse_parts: torch.Tensor, splits: int,
     out = torch.empty((n, heads, d_v), dtype=out_parts.dtype, device=out_parts.device)
     lse = torch.empty((n, heads), dtype=torch.float32, device=out_parts.device)
     block_h = 8
+    dependent = dependent_launch(out_parts.device)
     _merge_splits_kernel[(n, triton.cdiv(heads, block_h))](
         out_parts, out_parts.stride(0), out_parts.stride(1), lse_parts, lse_parts.stride(0), lse_parts.stride(1),
         lse_parts if attn_sink is None else attn_sink, out, lse, splits, heads,
-        HAS_SINK=attn_sink is not None, BLOCK_H=block_h, DV=d_v, num_warps=4)
+        HAS_SINK=attn_sink is not None, BLOCK_H=block_h, DV=d_v, DEPENDENT_LAUNCH=dependent, num_warps=4,
+        launch_pdl=dependent)
     return out, lse

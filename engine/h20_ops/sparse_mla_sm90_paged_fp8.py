@@ -23,6 +23,10 @@ the chunks producer thread t staged (reads, then overwrites only those), then fe
 barrier of that consumer's 128 threads before the S; the other consumer reads the half only after
 the max exchange. So the producer only issues copies, and the conversion runs on 256 threads. Q
 arrives by TMA on its own barrier (consumer_parts' load_q), waited for before an item's first S.
+Programmatic dependent launch: a CTA may start while the previous kernel of the stream (the decode
+entry point's slot-id launch) finishes; every thread waits for it (cudaGridDependencySynchronize)
+before any global access. (TileLang then drops __restrict__ from the parameters: no measurable cost
+here; the bf16 kernel of sparse_mla_sm90 lost ~1% on prefill that way and does not do it.)
 
 Constraints: h_q 64 or 128, d_qk 512 (MODEL1); caches 16-byte aligned, at most 16 GiB each; e4m3
 scales up to 2^7 (kv_quant writes larger ones only for |x| > 57344).
@@ -286,6 +290,10 @@ def paged_fp8_program(h_q: int):
                 max_smem=max_smem, sum_smem=sum_smem, final_smem=final_smem, Out=Out, Lse=Lse, Sink=Sink,
                 use_sink=use_sink, scale2=scale2, bx=bx, n_ctas=n_ctas, n_items=s_q * head_tiles, topk=topk)
             tx = T.get_thread_binding()
+            # Programmatic dependent launch: this CTA may start while the previous kernel of the stream
+            # finishes; it waits for that kernel before any global access and lets the next one launch.
+            T.pdl_sync()
+            T.pdl_trigger()
 
             if tx < 128:
                 T.set_max_nreg(CONSUMER_NREG, 1)
