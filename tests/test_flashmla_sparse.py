@@ -204,12 +204,13 @@ def test_empty_kv():
 def test_non_contiguous_inputs():
     s_q, h_q, d_qk, s_kv, topk = 7, 128, 576, 150, 90
     gen = torch.Generator().manual_seed(71)
-    q = (0.1 * torch.randn(s_q + 2, h_q + 3, d_qk + 8, generator=gen)).bfloat16()[1:-1, 2:-1, 4:-4]
-    kv = (0.1 * torch.randn(s_kv + 3, 2, d_qk + 16, generator=gen)).bfloat16()[2:-1, 1:, 8:-8]
-    idx_full = random_indices(gen, s_q + 1, s_kv, topk + 5, n_valid=80, fillers=(-1, s_kv))
+    # the views are taken on DEVICE (moving a view to another device would make it contiguous)
+    q = (0.1 * torch.randn(s_q + 2, h_q + 3, d_qk + 8, generator=gen)).bfloat16().to(DEVICE)[1:-1, 2:-1, 4:-4]
+    kv = (0.1 * torch.randn(s_kv + 3, 2, d_qk + 16, generator=gen)).bfloat16().to(DEVICE)[2:-1, 1:, 8:-8]
+    idx_full = random_indices(gen, s_q + 1, s_kv, topk + 5, n_valid=80, fillers=(-1, s_kv)).to(DEVICE)
     indices = idx_full.expand(s_q + 1, 2, topk + 5)[1:, 1:, 3:-2]
-    sink = torch.randn(2 * h_q, generator=gen)[::2]
-    topk_length = torch.randint(0, topk + 1, (2 * s_q,), generator=gen, dtype=torch.int32)[::2]
+    sink = torch.randn(2 * h_q, generator=gen).to(DEVICE)[::2]
+    topk_length = torch.randint(0, topk + 1, (2 * s_q,), generator=gen, dtype=torch.int32).to(DEVICE)[::2]
     assert not (q.is_contiguous() or kv.is_contiguous() or indices.is_contiguous())
     check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=sink, topk_length=topk_length)
 
@@ -543,7 +544,8 @@ def test_portable_kernel_on_gpu(case):
         check_against_oracle(q, kv, indices, 512 ** -0.5, topk_length=topk_length, config=config)
     else:
         gen = torch.Generator().manual_seed(203)
-        q = (0.1 * torch.randn(9, 131, 584, generator=gen)).bfloat16()[1:-1, 2:-1, 4:-4]
-        kv = (0.1 * torch.randn(153, 2, 592, generator=gen)).bfloat16()[2:-1, 1:, 8:-8]
-        indices = random_indices(gen, 8, 150, 95, n_valid=80, fillers=(-1, 150)).expand(8, 2, 95)[1:, 1:, 3:-2]
+        q = (0.1 * torch.randn(9, 131, 584, generator=gen)).bfloat16().to(DEVICE)[1:-1, 2:-1, 4:-4]
+        kv = (0.1 * torch.randn(153, 2, 592, generator=gen)).bfloat16().to(DEVICE)[2:-1, 1:, 8:-8]
+        indices = random_indices(gen, 8, 150, 95, n_valid=80, fillers=(-1, 150)).to(DEVICE).expand(8, 2, 95)[1:, 1:, 3:-2]
+        assert not (q.is_contiguous() or kv.is_contiguous() or indices.is_contiguous())
         check_against_oracle(q, kv, indices, 576 ** -0.5, config=config)

@@ -23,8 +23,14 @@ def sm_count(device: torch.device) -> int:
 
 
 @functools.cache
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, None for any other device (asked before every launch: cached)."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
 def dependent_launch(device: torch.device) -> bool:
     """Whether kernels on this device use programmatic dependent launch (SM90+): a kernel launched with
     it may start while the previous kernel of its stream finishes, and waits for that kernel
     (griddepcontrol.wait) before its first global memory access."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    capability = cuda_capability(device)
+    return capability is not None and capability[0] >= 9

@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.h20_ops import cuda_capability
 from engine.h20_ops.checks import check_sparse_mla_args
 from engine.h20_ops.vendor import flashmla_sparse_sm90
 
@@ -179,7 +180,7 @@ def runs_sm90_kernel(q: torch.Tensor, kv: torch.Tensor) -> bool:
     it does not compile). Other layouts, which the contract allows, run the portable kernel."""
     if _INTERPRET or q.dtype != torch.bfloat16 or not q.is_cuda:
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if cuda_capability(q.device) != (9, 0):
         return False
     rows_aligned = all(stride % 16 == 0 for stride in (q.stride(0), q.stride(1), kv.stride(0)))
     return rows_aligned and q.data_ptr() % 16 == 0 and kv.data_ptr() % 16 == 0
