@@ -62,10 +62,14 @@ def dispatcher_calls(monkeypatch):
 
 @pytest.fixture
 def triton_launches(monkeypatch):
-    """Counts launches of every Triton kernel of the triton backend's module (pre-run hooks)."""
-    from engine.h20_ops.vendor import flashmla_sparse
+    """Counts the triton backend's kernel launches: every Triton kernel of its module (pre-run hooks)
+    and the Gluon SM90 kernel (its launch function; bf16 on an SM90 GPU runs that one)."""
+    from engine.h20_ops.vendor import flashmla_sparse, flashmla_sparse_sm90
 
     launches = []
+    real_sm90_launch = flashmla_sparse_sm90.launch
+    monkeypatch.setattr(flashmla_sparse_sm90, "launch",
+                        lambda *args: launches.append("sm90") or real_sm90_launch(*args))
     for name, obj in vars(flashmla_sparse).items():
         while not hasattr(obj, "pre_run_hooks") and isinstance(getattr(obj, "fn", None), triton.runtime.KernelInterface):
             obj = obj.fn  # autotuner / heuristics wrappers
