@@ -3,8 +3,8 @@
 # benchmarks and the end-to-end report. Each step has its own time limit and log; a summary of exit
 # codes ends the output, and the script exits nonzero if any step failed.
 #   bash scripts/gpu_checks.sh LOGDIR STEP [STEP...]
-# steps: compile tests engine memcheck ab bench sweep decode gather e2e e2e-fp8 e2e-fp32 e2e-nextn e2e-sampled
-#        sample
+# steps: compile tests tests-no-tilelang engine memcheck ab bench sweep decode gather e2e e2e-fp8 e2e-fp32
+#        e2e-nextn e2e-sampled sample
 # A TileLang bundle at .tilelang_bundle/*.tar.xz (scripts/tilelang_bundle.sh) is installed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +41,10 @@ for s in "$@"; do
         tests) step tests 400 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_mla_ref.py \
                 tests/test_dispatcher.py tests/test_flashmla_sparse.py tests/test_sparse_mla_sm90.py \
                 tests/test_sparse_mla_sm90_paged_fp8.py tests/test_attn_sm90.py tests/test_kv_quant.py ;;
+        tests-no-tilelang)  # the Triton-backend files with the bundle off the path: the Triton backend on this GPU
+            # (what a node without TileLang runs; on an image without TileLang of its own)
+            step tests_no_tilelang 300 env PYTHONPATH="$PWD" python3 -m pytest -q -p no:cacheprovider \
+                tests/test_dispatcher.py tests/test_flashmla_sparse.py tests/test_attn_sm90.py tests/test_kv_quant.py ;;
         engine) step engine 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_model_engine.py -m gpu ;;
         memcheck)
             step memcheck_triton 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q \
