@@ -387,7 +387,7 @@ kernel = fs._sparse_mla_fwd_kernel
 d_qk = int(sys.argv[1])
 cfg = fs.default_config(torch.bfloat16)
 constexprs = dict(H_TILES=1, BLOCK_H=64, BLOCK_K=cfg.block_k, D_V=512, D_ROPE=d_qk - 512, HAS_SINK=True,
-                  HAS_TOPK_LENGTH=True, DOT_F32=False, INPUT_PRECISION="tf32")
+                  HAS_TOPK_LENGTH=True, DOT_F32=False, INPUT_PRECISION="tf32", DEPENDENT_LAUNCH=True)
 signature, attrs = signature_of(kernel, constexprs)
 compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
@@ -441,8 +441,9 @@ print("SHARED", compiled.metadata.shared)
 def test_gluon_sm90_build_fits_without_spills(d_qk, tmp_path):
     """The Gluon kernel compiled for sm_90 on this machine (no GPU needed): it fits the 227 KB of
     shared memory, ptxas neither spills (hoisted wgmma descriptors did: 137 spill instructions) nor
-    serializes the wgmmas (C7515), and each consumer computes a whole 64 x 64 block of S (m64n64) and
-    its half of O (m64n256): the schedule the header describes."""
+    serializes the wgmmas (C7515), each consumer computes a whole 64 x 64 block of S (m64n64) and
+    its half of O (m64n256): the schedule the header describes; every partition waits for the previous
+    kernel (programmatic dependent launch)."""
     import os
     import subprocess
     import sys
@@ -459,6 +460,8 @@ def test_gluon_sm90_build_fits_without_spills(d_qk, tmp_path):
     rope_steps = (d_qk - 512) // 16
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") == 2 * (32 + rope_steps)
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2 * 2 * 4
+    # programmatic dependent launch: each of the three partitions waits for the previous kernel
+    assert ptx.count("griddepcontrol.wait;") == 3
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     report = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx_path), "-o", str(tmp_path / "kernel.cubin")],
                             capture_output=True, text=True, check=True).stderr

@@ -26,6 +26,8 @@ operations, not casts: Triton's interpreter truncates fp32 -> fp8/bf16 casts ins
 and integer code is exact everywhere, so Triton == the torch reference byte for byte on CPU and GPU.
 Slots outside [0, num_blocks * block_size) (e.g. -1) are empty: never dereferenced; quantize skips
 them, gather writes a zero row.
+On SM90 gather_dequant uses programmatic dependent launch (it waits for the previous kernel of the
+stream before touching memory, so its launch overlaps that kernel's end; engine.h20_ops.dependent_launch).
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from engine.h20_ops import dependent_launch
 from engine.h20_ops.checks import require_same_device, require_tensor
 
 FP8_MAX = 448.0
@@ -306,7 +310,11 @@ def _gather_dequant_kernel(cache_ptr, block_stride, capacity, slots_ptr, slots_s
                            out_stride_b, out_stride_w, W, n_rows,
                            BLOCK_SIZE: tl.constexpr, IS_MODEL1: tl.constexpr, D_NOPE: tl.constexpr,
                            D_ROPE: tl.constexpr, TILE: tl.constexpr, NUM_TILES: tl.constexpr,
-                           TILES_P2: tl.constexpr, TOKEN_BYTES: tl.constexpr, ROWS: tl.constexpr):
+                           TILES_P2: tl.constexpr, TOKEN_BYTES: tl.constexpr, ROWS: tl.constexpr,
+                           DEPENDENT_LAUNCH: tl.constexpr):
+    if DEPENDENT_LAUNCH:  # wait for the previous kernel before touching memory; let the next one launch
+        gdc_wait()
+        gdc_launch_dependents()
     # ROWS output rows per program: their slot loads and then their row loads are issued together,
     # so a program waits for two memory latencies per ROWS rows instead of per row.
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -376,8 +384,9 @@ def gather_dequant(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) 
     if batch * width == 0:
         return out
     rows_per_program = 8
+    dependent = dependent_launch(out.device)
     _gather_dequant_kernel[(triton.cdiv(batch * width, rows_per_program),)](
         cache_u8, cache_u8.stride(0), num_blocks * block_size, slots, slots.stride(0), out,
         out.stride(0), out.stride(1), width, batch * width, **_layout_constexprs(layout, block_size),
-        ROWS=rows_per_program, num_warps=4)
+        ROWS=rows_per_program, DEPENDENT_LAUNCH=dependent, num_warps=4, launch_pdl=dependent)
     return out

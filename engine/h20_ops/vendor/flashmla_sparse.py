@@ -5,7 +5,8 @@ failure): bf16 on an SM90 GPU with 16-byte aligned rows runs the warp-specialize
 flashmla_sparse_sm90.py; float32, other GPUs, Triton's interpreter (CPU tests) and rows that 16-byte
 cp.async cannot read (see runs_sm90_kernel) run the portable tl kernel below. Both implement the
 contract stated here and are tested against the fp32 oracle (tests/test_flashmla_sparse.py; on an SM90
-GPU both kernels).
+GPU both kernels). On SM90 both use programmatic dependent launch: they wait for the previous kernel of
+the stream (griddepcontrol.wait) before touching memory, so their launch overlaps that kernel's end.
 
 Contract (FlashMLA since 2026-01; ../shared/reference/sparse_mla_contract.md):
   flash_mla_sparse_fwd(q [s_q, h_q, d_qk], kv [s_kv, 1, d_qk], indices [s_q, 1, topk] or [s_q, topk]
@@ -46,8 +47,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.h20_ops import cuda_capability
+from engine.h20_ops import cuda_capability, dependent_launch
 from engine.h20_ops.checks import check_sparse_mla_args
 from engine.h20_ops.vendor import flashmla_sparse_sm90
 
@@ -66,8 +68,11 @@ def _sparse_mla_fwd_kernel(
     H_TILES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     D_V: tl.constexpr, D_ROPE: tl.constexpr,
     HAS_SINK: tl.constexpr, HAS_TOPK_LENGTH: tl.constexpr,
-    DOT_F32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, INPUT_PRECISION: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
 ):
+    if DEPENDENT_LAUNCH:  # wait for the previous kernel before touching memory; let the next one launch
+        gdc_wait()
+        gdc_launch_dependents()
     # 1-D grid: s_q may exceed the 65535 limit of grid axes 1/2. The head tiles of one query are
     # neighbours, so they gather the same kv rows close in time (L2 hits).
     pid = tl.program_id(0)
@@ -210,6 +215,7 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     if config is None:
         config = default_config(q.dtype)
     h_tiles = h_q // _HEADS_PER_PROGRAM
+    dependent = dependent_launch(q.device)
     # Unused pointer arguments get a valid tensor; the constexpr flags keep them unread.
     sink = attn_sink if attn_sink is not None else lse
     lengths = topk_length if topk_length is not None else indices
@@ -224,6 +230,6 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         D_V=d_v, D_ROPE=shape.d_qk - d_v,
         HAS_SINK=attn_sink is not None, HAS_TOPK_LENGTH=topk_length is not None,
         DOT_F32=_INTERPRET, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        DEPENDENT_LAUNCH=dependent, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=dependent,
     )
     return out, max_logits, lse

@@ -32,6 +32,10 @@ with an all-invalid one); the ring's phases run on across items.
   wgmma into S), and P_0 lives in buffer 0's tail once S_0 is done: 227 KB of shared memory hold no
   separate P_0.
 
+  Launched with programmatic dependent launch: a CTA may start while the previous kernel of the
+  stream finishes; each partition waits for that kernel (griddepcontrol.wait) before its first global
+  access and lets the next kernel launch.
+
 Constraints: bf16; h_q 64 or 128, d_qk 512 or 576, d_v 512; any topk >= 1 and s_q (64-bit offsets);
 last dims contiguous, leading dims strided; SM90 only (wgmma, setmaxnreg).
 """
@@ -54,11 +58,21 @@ LOG2E = 1.4426950408889634
 
 
 @gluon.jit
+def _wait_for_previous_kernel(x):
+    """griddepcontrol.wait (this thread waits until the previous kernel of the stream has completed and
+    its writes are visible), then launch_dependents (the next kernel may launch). x: any int scalar,
+    the asm's dummy operand."""
+    gl.inline_asm_elementwise("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n\tmov.u32 $0, $1;",
+                              "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _producer(q_ptr, kv_ptr, idx_ptr, topk_length_ptr, n_items, s_kv, topk,
               stride_q_s, stride_q_h, stride_kv_s, stride_idx_s, stride_topk_length,
               q_nope, q_rope, kv_nope, kv_rope, q_ready, q_free, ready, free,
               H_TILES: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr,
               D_ROPE: gl.constexpr, HAS_TOPK_LENGTH: gl.constexpr):
+    _wait_for_previous_kernel(n_items)
     # 4 warps x [4 rows, 8 threads x 8 columns]: one 16-byte cp.async per thread and 16 x 64 tile.
     tile: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows0 = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, tile))
@@ -108,6 +122,7 @@ def _consumer(C: gl.constexpr, idx_ptr, sink_ptr, topk_length_ptr, out_ptr, max_
               q_ready, q_free, ready, free, max_bar, p_bar, sum_bar, H_TILES: gl.constexpr, BLOCK_H: gl.constexpr,
               BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_ROPE: gl.constexpr, HAS_SINK: gl.constexpr,
               HAS_TOPK_LENGTH: gl.constexpr):
+    _wait_for_previous_kernel(n_items)
     HALF: gl.constexpr = D_V // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_K, 16])
@@ -342,5 +357,5 @@ def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: f
         out.stride(0), out.stride(1), max_logits.stride(0), lse.stride(0),
         H_TILES=h_tiles, BLOCK_H=HEADS_PER_CTA, BLOCK_K=BLOCK_TOPK, D_V=d_v, D_ROPE=d_qk - d_v,
         HAS_SINK=attn_sink is not None, HAS_TOPK_LENGTH=topk_length is not None,
-        num_warps=NUM_WARPS.value,
+        num_warps=NUM_WARPS.value, launch_pdl=True,
     )
