@@ -58,8 +58,8 @@ SPLIT_GRANULE = 128
 # itself, and cuts each list into the fewest chunks that reach the fewest pairs per chunk while all
 # chunks fill at most SPLIT_MAX_SM_SHARE of the SMs (more items than that contend for the row loads and
 # lose). Measured with CUDA graphs on an H200 (2026-11-30, docs/decode.md, 640 entries per query): the
-# buffer path gains from 1 to 8 programs and breaks even at 16; the paged fp8 kernel, whose single
-# item takes longer, gains up to 32 programs and loses from 40 on.
+# buffer path gains from 1 to 8 programs and at 16 breaks even (TileLang) or gains 1.11x (Triton); the
+# paged fp8 kernel, whose single item takes longer, gains up to 32 programs and loses from 40 on.
 SPLIT_SMS_PER_PROGRAM = 8
 PAGED_SPLIT_SMS_PER_PROGRAM = 4
 SPLIT_MAX_SM_SHARE = 0.75
