@@ -358,7 +358,8 @@ def _choose_splits(n_rows: int, heads: int, list_len: int, device: torch.device,
     most = min(steps, int(sms * SPLIT_MAX_SM_SHARE) // programs)
     if most <= 1:
         return 1
-    return -(-steps // -(-steps // most))
+    steps_per_chunk = -(-steps // most)
+    return -(-steps // steps_per_chunk)
 
 
 @triton.jit
@@ -379,7 +380,7 @@ def _merge_splits_kernel(parts_ptr, parts_stride_row, parts_stride_h, lse_parts_
                          lse_parts_stride_h, sink_ptr, out_ptr, lse_ptr, splits, heads,
                          HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, DV: tl.constexpr,
                          DEPENDENT_LAUNCH: tl.constexpr):
-    if DEPENDENT_LAUNCH:  # wait for the attention kernel before touching memory
+    if DEPENDENT_LAUNCH:  # wait for the attention kernel before touching memory; let the next one launch
         gdc_wait()
         gdc_launch_dependents()
     row = tl.program_id(0)
