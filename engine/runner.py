@@ -331,11 +331,12 @@ class Engine:
             return fused_sample.greedy_sample(logits, backend=self.sample_backend).tolist()
         return logits.argmax(dim=-1).tolist()
 
-    def _release_window_rows(self, active: _Active) -> None:
-        """Rows older than the next query's window are never read again."""
+    def _release_window_rows(self, active: _Active, *, nextn: bool = True) -> None:
+        """Rows older than the next query's window are never read again. nextn=False keeps the NextN
+        layer's rows: its pass over the rows just verified still reads the window of the first of them."""
         first_needed = active.state.length - self.window + 1
         self.stores.window.release_rows_before(active.state.rid, first_needed)
-        if self.nextn_window is not None:
+        if nextn and self.nextn_window is not None:
             self.nextn_window.release_rows_before(active.state.rid, first_needed)
 
     def _step(self, batch: list[_Active], tokens: list[list[int]], *, prefill: bool) -> None:
@@ -442,7 +443,7 @@ class Engine:
                 self.runtime.rollback(active.state, kept)
             self.stores.window.truncate(active.state.rid, starts[b] + kept)
             active.state.length = starts[b] + kept
-            self._release_window_rows(active)
+            self._release_window_rows(active, nextn=False)
             emit = tokens[b][:kept][: active.request.max_new_tokens - len(active.output_ids)]
             active.output_ids.extend(emit)
             active.logits.extend(target[b, : len(emit)].cpu())
@@ -466,6 +467,8 @@ class Engine:
             input_ids, positions = self._inputs(nextn_seqs, inputs)
             logits, nextn_hidden = self.nextn_runtime.forward(input_ids, hidden[rows.to(hidden.device)], positions,
                                                               nextn_seqs, prefill=False)
+            for a in active:  # the drafts below read only the window of the last emitted token
+                self._release_window_rows(a)
             last = torch.tensor([s.offset + accepted[b] for s, b in zip(nextn_seqs, todo)], device=logits.device)
             self._draft_chain(active, logits[last], nextn_hidden[last])
         self._spec_stats["draft_seconds"] += time.perf_counter() - start
