@@ -325,12 +325,12 @@ def test_all_invalid_extra_cache_contributes_nothing(ref_backend):
     assert_matches(*with_extra, oracle(main_only), exact=True)
 
 
-def test_split_uses_stride0_query_for_a_single_row(ref_backend, dispatcher_calls):
-    case, _ = make_decode_case(7, 1, 1, 16, 24, topk=16, etopk=24, dtype=torch.float32)
+@pytest.mark.parametrize("batch, s_q", [(1, 1), (3, 2)])
+def test_split_gives_the_kernel_repeated_query_rows(ref_backend, dispatcher_calls, batch, s_q):
+    case, _ = make_decode_case(7, batch, s_q, 16, 24, topk=16, etopk=24, dtype=torch.float32)
     out, lse = run_decode(case, num_splits=4)
     assert_matches(out, lse, oracle(case), exact=True)
-    q_seen = dispatcher_calls[0]["q"]
-    assert q_seen.shape[0] == 4 and q_seen.stride(0) == 0  # no copy of q
+    assert_repeated_q(dispatcher_calls[0]["q"], case["q"], 4)
 
 
 def test_auto_split_choice():
@@ -468,15 +468,24 @@ def test_decode_default_path(default_backend, dispatcher_calls, triton_launches,
     bound = split_rounding_bound(dispatcher_calls[0], splits) if splits > 1 else None
     assert_matches(out, lse, oracle(case), exact=False, bound=bound)
     assert len(dispatcher_calls) == 1 and dispatcher_calls[0]["kv"].data_ptr() == buf.data_ptr()
+    if splits > 1:
+        assert_repeated_q(dispatcher_calls[0]["q"], case["q"], splits)
     if sparse_mla.resolve_backend() == "triton":
         assert len(triton_launches) == 1, triton_launches
 
 
+def assert_repeated_q(kernel_q, q, splits):
+    """With a split the kernel gets q's rows repeated (row i * splits + c = q row i), dense: the build
+    launch wrote them (no copy launch of its own)."""
+    assert kernel_q.is_contiguous() and kernel_q.data_ptr() != q.data_ptr()
+    assert torch.equal(kernel_q.cpu(), q.flatten(0, 1).repeat_interleave(splits, dim=0).cpu())
+
+
 def test_decode_default_path_single_row_split(default_backend, dispatcher_calls, triton_launches):
-    """B = s_q = 1 with a split: the kernel reads q through a stride-0 leading dim."""
+    """B = s_q = 1 with a split: q's one strided row repeated for the chunks."""
     case, _ = make_decode_case(30, 1, 1, 8, 24, topk=8, etopk=24, dtype=torch.bfloat16)
     out, lse = run_decode(case, num_splits=3)
-    assert dispatcher_calls[0]["q"].stride(0) == 0
+    assert_repeated_q(dispatcher_calls[0]["q"], case["q"], 3)
     assert_matches(out, lse, oracle(case), exact=False, bound=split_rounding_bound(dispatcher_calls[0], 3))
     if sparse_mla.resolve_backend() == "triton":
         assert len(triton_launches) == 1
@@ -618,10 +627,11 @@ def test_paged_slot_ids_keep_invalid_entries_invalid(with_extra):
     lengths = torch.tensor([6, 0, 3], dtype=torch.int32)
     extra_lengths = torch.tensor([5, 2, 0], dtype=torch.int32) if with_extra else None
     used = topk + (etopk if with_extra else 0)
-    got = attn._build_rows(indices.to(DEVICE), lengths.to(DEVICE), width, extra_indices.to(DEVICE) if with_extra else None,
+    got, no_q = attn._build_rows(indices.to(DEVICE), lengths.to(DEVICE), width, extra_indices.to(DEVICE) if with_extra else None,
                            extra_lengths.to(DEVICE) if with_extra else None, extra if with_extra else None, used + 3,
                            slots=slots.to(DEVICE), extra_slots=extra_slots.to(DEVICE) if with_extra else None,
                            n_slots=(n0, n1 if with_extra else 0))
+    assert no_q is None  # no split: no repeated q
     assert bool((got[:, used:] == -1).all())  # padding up to splits * chunk
     want = _slot_ids_reference(indices, lengths, slots, n0, extra_indices if with_extra else None, extra_lengths,
                                extra_slots if with_extra else None, n1 if with_extra else 0)

@@ -19,10 +19,11 @@ an invalid value can never land on another request's row. The kernel therefore n
 
 Flash-decoding split: when B * s_q * ceil(H / 64) programs leave SPLIT_SMS_PER_PROGRAM SMs each, each
 query's index list is cut into S chunks of whole pairs of 64-entry blocks (the kernels' step) that run
-as S x more query rows of the same single launch (q rows repeated: a stride-0 view when B * s_q == 1,
-else one small copy). One Triton launch (_merge_splits_kernel) merges the partial (out, lse base 2)
-by lse and applies the sink once (_apply_sink); without a split the kernel applies the sink.
-Launches per decode call: build rows, attention (+ q copy and merge with a split). On SM90 the build
+as S x more query rows of the same single launch (q rows repeated S times, written by the build
+launch: the TileLang kernels read q by TMA and need it dense). One Triton launch
+(_merge_splits_kernel) merges the partial (out, lse base 2) by lse and applies the sink once
+(_apply_sink); without a split the kernel applies the sink.
+Launches per decode call: build rows, attention (+ merge with a split). On SM90 the build
 and merge launches (and the paged fp8 kernel) use programmatic dependent launch: each waits for the
 kernel before it (griddepcontrol.wait) before touching memory, so its launch overlaps that kernel's end.
 
@@ -119,10 +120,10 @@ def decode_attn_sparse(q, kv_windows, indices, softmax_scale, *, attn_sink=None,
                        extra_topk_length)
     kv_rows, request_stride = _flat_kv_rows(kv_windows, extra_kv_windows)
 
-    def build(out_len):
+    def build(out_len, q_rows, splits):
         return _build_rows(indices, topk_length, kv_windows.size(1), extra_indices, extra_topk_length,
                            None if extra_kv_windows is None else extra_kv_windows.size(1), out_len,
-                           request_stride=request_stride)
+                           request_stride=request_stride, q_rows=q_rows, splits=splits)
 
     def launch(q_rows, lists, sink):
         return sparse_mla.sparse_mla_fwd(q_rows, kv_rows, lists, softmax_scale, d_v=D_V, attn_sink=sink)
@@ -132,11 +133,12 @@ def decode_attn_sparse(q, kv_windows, indices, softmax_scale, *, attn_sink=None,
 
 def _launch_decode(q, indices, extra_indices, attn_sink, num_splits, sms_per_program, build, launch):
     """What both decode entry points share: the split (num_splits, or chosen from the batch size vs the
-    SM count with sms_per_program), the entry lists build(out_len) -> [B * s_q, out_len] int32 (main entries, extra entries,
-    -1 padding to splits * chunk), and one kernel launch(q_rows, lists, sink) -> (out, lse base 2);
+    SM count with sms_per_program), the entry lists build(out_len, q_rows, splits) -> ([B * s_q, out_len]
+    int32: main entries, extra entries, -1 padding to splits * chunk; with splits > 1 also q_rows
+    repeated, [B * s_q * splits, H, D]), and one kernel launch(q_rows, lists, sink) -> (out, lse base 2);
     with a split, chunk c of query i is kernel row i * splits + c, the kernel gets no sink, and one
     merge launch combines the chunks by lse and applies the sink once."""
-    batch, s_q, heads, d = q.shape
+    batch, s_q, heads, _ = q.shape
     n = batch * s_q
     list_len = indices.size(2) + (0 if extra_indices is None else extra_indices.size(2))
     if num_splits is None:
@@ -144,15 +146,11 @@ def _launch_decode(q, indices, extra_indices, attn_sink, num_splits, sms_per_pro
     else:
         splits = _check_splits(num_splits)
     chunk = -(-list_len // splits)
-    lists = build(splits * chunk)  # [n, splits * chunk]
     q_rows = q.flatten(0, 1)  # [n, H, D]; a view whenever q's strides allow
+    lists, q_split = build(splits * chunk, q_rows, splits)  # [n, splits * chunk], [n * splits, H, D]
     if splits == 1:
         out, lse = launch(q_rows, lists, attn_sink)
     else:
-        if n == 1:
-            q_split = q_rows.expand(splits, heads, d)  # stride-0 leading dim: no copy
-        else:
-            q_split = q_rows.repeat_interleave(splits, dim=0)
         out_parts, lse_parts = launch(q_split, lists.view(n * splits, chunk), None)
         out, lse = _merge_splits(out_parts, lse_parts, splits, attn_sink)
     return out.view(batch, s_q, heads, D_V), lse.view(batch, s_q, heads)
@@ -171,7 +169,8 @@ def decode_attn_sparse_paged_fp8(q, cache, slots, indices, softmax_scale, *, att
     extra_topk_length [B]: the compressed cache likewise, attended in the same softmax. num_splits: as
     decode_attn_sparse's (the automatic choice splits up to more programs: PAGED_SPLIT_SMS_PER_PROGRAM).
     Launches: one Triton launch turns both index lists into slot ids of the two caches (extra ones offset
-    by the first cache's slot count), one kernel launch (+ q copy and merge with the split).
+    by the first cache's slot count; with a split it also writes the repeated q rows), one kernel launch
+    (+ the merge with a split).
     Returns (out [B, s_q, H, 512] bf16, lse [B, s_q, H] fp32 base 2; +inf for empty rows)."""
     softmax_scale = require_scale("softmax_scale", softmax_scale)
     _require_decode_q(q, (torch.bfloat16,))
@@ -180,10 +179,10 @@ def decode_attn_sparse_paged_fp8(q, cache, slots, indices, softmax_scale, *, att
     has_extra = extra_cache is not None
     n_slots = (cache.size(0) * cache.size(1), extra_cache.size(0) * extra_cache.size(1) if has_extra else 0)
 
-    def build(out_len):
+    def build(out_len, q_rows, splits):
         return _build_rows(indices, topk_length, slots.size(1), extra_indices, extra_topk_length,
                            extra_slots.size(1) if has_extra else None, out_len, slots=slots,
-                           extra_slots=extra_slots, n_slots=n_slots)
+                           extra_slots=extra_slots, n_slots=n_slots, q_rows=q_rows, splits=splits)
 
     def launch(q_rows, lists, sink):
         return sparse_mla.sparse_mla_paged_fp8_fwd(q_rows, cache, extra_cache, lists, softmax_scale, attn_sink=sink)
@@ -284,14 +283,27 @@ def _list_entries(idx_row, pos, k, length_ptr, b, limit, base, table_row, n_slot
 def _build_rows_kernel(out_ptr, out_len, s_q, request_stride,
                        idx_ptr, idx_stride_b, idx_stride_s, topk, len_ptr, width, table_ptr, table_stride, n_slots,
                        eidx_ptr, eidx_stride_b, eidx_stride_s, etopk, elen_ptr, extra, etable_ptr, etable_stride,
-                       en_slots,
+                       en_slots, list_programs, q_ptr, q_stride_row, q_stride_h, q_stride_d, q_split_ptr, q_numel,
+                       splits,
                        HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_ELEN: tl.constexpr,
-                       HAS_TABLE: tl.constexpr, BLOCK: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
-    """Program (row, j): positions [j * BLOCK, (j + 1) * BLOCK) of query row's list."""
+                       HAS_TABLE: tl.constexpr, BLOCK: tl.constexpr, COPY_Q: tl.constexpr, D: tl.constexpr,
+                       Q_BLOCK: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr):
+    """Program (row, j), j < list_programs: positions [j * BLOCK, (j + 1) * BLOCK) of query row's list;
+    j >= list_programs (COPY_Q, a split): elements [k * Q_BLOCK, (k + 1) * Q_BLOCK) of q's row, k =
+    j - list_programs, copied to the row's splits rows of q_split."""
     if DEPENDENT_LAUNCH:  # wait for the previous kernel before touching memory; let the attention kernel launch
         gdc_wait()
         gdc_launch_dependents()
     row = tl.program_id(0)
+    if COPY_Q:
+        if tl.program_id(1) >= list_programs:
+            e = (tl.program_id(1) - list_programs) * Q_BLOCK + tl.arange(0, Q_BLOCK)
+            in_row = e < q_numel
+            values = tl.load(q_ptr + row.to(tl.int64) * q_stride_row + (e // D) * q_stride_h + (e % D) * q_stride_d,
+                             mask=in_row)
+            for c in range(0, splits):
+                tl.store(q_split_ptr + (row.to(tl.int64) * splits + c) * q_numel + e, values, mask=in_row)
+            return
     b = row // s_q
     s = row % s_q
     pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -312,11 +324,13 @@ def _build_rows_kernel(out_ptr, out_len, s_q, request_stride,
 
 
 def _build_rows(indices, topk_length, width, extra_indices, extra_topk_length, extra, out_len, *,
-                request_stride=0, slots=None, extra_slots=None, n_slots=(0, 0)):
+                request_stride=0, slots=None, extra_slots=None, n_slots=(0, 0), q_rows=None, splits=1):
     """One launch: per query, [main entries | extra entries | -1 padding] as int32 [B * s_q, out_len]:
     absolute rows of the kv buffer (request b's window at b * request_stride, extra rows after it), or
     with slot tables (slots [B, W], extra_slots [B, E]) slot ids of two paged caches of n_slots =
-    (n0, n1) slots (extra ones offset by n0; empty slots and slots outside a cache are invalid)."""
+    (n0, n1) slots (extra ones offset by n0; empty slots and slots outside a cache are invalid).
+    With splits > 1, the same launch also writes q_rows [B * s_q, H, D] repeated: row i * splits + c
+    of a new dense [B * s_q * splits, H, D] is q_rows[i]. Returns (entries, that tensor or None)."""
     batch, s_q, topk = indices.shape
     has_table = slots is not None
     # the kernel reads index rows, lengths and table rows with unit stride (a copy only for exotic strides)
@@ -332,18 +346,27 @@ def _build_rows(indices, topk_length, width, extra_indices, extra_topk_length, e
     eidx = extra_indices if has_extra else indices
     table = slots if has_table else indices
     etable = extra_slots if has_table and has_extra else table
-    block = 128
+    block, q_block = 128, 4096
+    list_programs = triton.cdiv(out_len, block)
+    copy_q = splits > 1
+    if copy_q:
+        q_split = torch.empty((batch * s_q * splits, *q_rows.shape[1:]), dtype=q_rows.dtype, device=q_rows.device)
+        q_numel, q_strides, d = q_rows[0].numel(), q_rows.stride(), q_rows.size(2)
+    else:  # placeholders: the kernel's q copy is compiled out
+        q_rows, q_split, q_numel, q_strides, d = out, None, 0, (0, 0, 0), 1
+    q_programs = triton.cdiv(q_numel, q_block)
     dependent = dependent_launch(indices.device)
-    _build_rows_kernel[(batch * s_q, triton.cdiv(out_len, block))](
+    _build_rows_kernel[(batch * s_q, list_programs + q_programs)](
         out, out_len, s_q, request_stride,
         indices, indices.stride(0), indices.stride(1), topk, indices if topk_length is None else topk_length, width,
         table, table.stride(0), n_slots[0],
         eidx, eidx.stride(0), eidx.stride(1), eidx.size(2),
         indices if extra_topk_length is None else extra_topk_length, extra or 0, etable, etable.stride(0),
-        n_slots[1],
+        n_slots[1], list_programs, q_rows, *q_strides, out if q_split is None else q_split, q_numel, splits,
         HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra, HAS_ELEN=extra_topk_length is not None,
-        HAS_TABLE=has_table, BLOCK=block, DEPENDENT_LAUNCH=dependent, num_warps=4, launch_pdl=dependent)
-    return out
+        HAS_TABLE=has_table, BLOCK=block, COPY_Q=copy_q, D=d, Q_BLOCK=q_block, DEPENDENT_LAUNCH=dependent,
+        num_warps=4, launch_pdl=dependent)
+    return out, q_split
 
 
 def _choose_splits(n_rows: int, heads: int, list_len: int, device: torch.device,
