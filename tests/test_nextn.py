@@ -234,6 +234,27 @@ def test_accepted_and_rejected_drafts_leave_the_reference_state(checkpoint, refe
     _all_pages_free(engine)
 
 
+def test_verification_ranks_only_the_index_keys_each_token_sees(checkpoint, monkeypatch):
+    """k = 5: a verification step ranks index keys for 6 tokens at once, and the keys that only its
+    later tokens complete are masked for the earlier ones. Index scores tie exactly (ReLU: zeros), and
+    top-k breaks ties differently over a longer row, so each token must rank exactly its visible keys,
+    as plain decoding does: on this 300-token prompt the token at position 312 otherwise chose two
+    other tied entries and the logits parted by 0.4."""
+    g = torch.Generator().manual_seed(1)
+    for n in (190, 255):  # the prompt is this generator's third draw
+        torch.randint(2, 258, (n,), generator=g)
+    prompt = torch.randint(2, 258, (300,), generator=g).tolist()
+    runs = {}
+    for nextn in ("0", "1"):
+        _set_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref",
+                 DEEPINFER_USE_NEXTN_DECODE=nextn)
+        engine = Engine(checkpoint, max_batch_size=1, max_seq_len=512, num_speculative_tokens=5)
+        runs[nextn] = engine.generate([Request("a", prompt, 16)])[0]
+    assert runs["1"].output_ids == runs["0"].output_ids
+    diff = float((runs["1"].step_logits - runs["0"].step_logits).abs().max())
+    assert diff < FP32_LOGITS_ATOL, f"per-step logits differ by {diff}"
+
+
 def test_paged_rows_truncate_and_release_return_pages_to_the_reservation():
     from engine.kv_cache import CacheCapacityError, PagedRows
 

@@ -226,7 +226,7 @@ class DeepseekV4Runtime:
             visible = (positions[rows] + 1) // ratio  # entries w < visible[t] are complete for token t
             if kind == CSA:
                 chosen = self._index(layer_idx, comp.indexer, x[rows], q_residual[rows], positions[rows], s,
-                                     visible)
+                                     visible, prefill)
             else:
                 ids = torch.arange(n_entries, device=x.device)[None, :]
                 chosen = torch.where(ids < visible[:, None], ids, -1)
@@ -274,7 +274,7 @@ class DeepseekV4Runtime:
         state.entries += n_win
         return ops.rope(pooled, cos, sin)
 
-    def _index(self, layer_idx, indexer, x, q_residual, positions, s: SeqStep, visible):
+    def _index(self, layer_idx, indexer, x, q_residual, positions, s: SeqStep, visible, prefill: bool):
         """Lightning indexer for one sequence's new tokens: pool its keys, score every stored key,
         keep the top-k complete entries per token: [length, k] entry ids, -1 where none."""
         store = self.stores.indexer
@@ -296,8 +296,19 @@ class DeepseekV4Runtime:
         index_scores = (scores * weights.unsqueeze(-1)).sum(dim=2)[0]  # [S, n_keys]
         future = torch.arange(n_keys, device=x.device)[None, :] >= visible[:, None]
         index_scores = index_scores.masked_fill(future, float("-inf"))
-        top = index_scores.topk(min(indexer.index_topk, n_keys), dim=-1).indices
-        return torch.where(top < visible[:, None], top, -1)  # picks among -inf scores are not entries
+        k = min(indexer.index_topk, n_keys)
+        if prefill:  # the reference's prefill: one top-k over all keys, the future ones masked
+            top = index_scores.topk(k, dim=-1).indices
+            return torch.where(top < visible[:, None], top, -1)  # picks among -inf scores are not entries
+        # Decode: token t ranks exactly its visible keys, as a one-token step does. ReLU makes exact
+        # ties (scores of 0) common, and top-k breaks them differently over a longer row, so a
+        # verification step (k + 1 tokens, keys that only its later tokens complete) would otherwise
+        # choose other entries than plain decoding.
+        top = torch.full((x.size(0), k), -1, dtype=torch.long, device=x.device)
+        for t, n in enumerate(visible.tolist()):
+            if n:
+                top[t, : min(k, n)] = index_scores[t, :n].topk(min(k, n)).indices
+        return top
 
     def _prefill_attention(self, layer_idx, attn, q, kv, seqs, entries, selections):
         """One packed workspace [sum over sequences of (prompt rows + entry rows), 1, D] and one
