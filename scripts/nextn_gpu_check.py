@@ -4,8 +4,11 @@ For each case (dtype x KV cache x num_speculative_tokens) the embedded tiny chec
 prompts through the engine without NextN and with it (DEEPINFER_USE_NEXTN_DECODE=0 / 1; everything
 else from the environment), and one Markdown table row shows: prompts whose tokens are equal, the
 shortest shared prefix, the acceptance rate, decode steps and tokens/s of both runs. Exit status 1
-when a float32 case differs in any token (the contract: NextN changes speed, never greedy tokens),
-or a case raises. bfloat16 rows are informational (a batch of k + 1 rows may round differently).
+when a float32 case with the float32 cache differs in any token (the contract: NextN changes speed,
+never greedy tokens), or a case raises. bfloat16 rows are informational (a batch of k + 1 rows may
+round differently), and so are fp8-cache rows: the verifier's fp32 summation order can move a stored
+value across an e4m3 rounding boundary (one step), which moves later logits by ~1e-4 instead of
+~1e-5, enough to part a close choice (docs/e2e.md, "NextN with the fp8 cache").
 The tiny checkpoint's NextN layer has random weights, so its acceptance rate is near 0: the rows
 measure the verify/draft overhead, not a trained drafter's speed-up.
 
@@ -88,7 +91,7 @@ def main() -> int:
             continue
         equal = sum(on_tokens[r] == off_tokens[r] for r in off_tokens)
         prefix = min(shared_prefix(on_tokens[r], off_tokens[r]) for r in off_tokens)
-        if dtype == torch.float32 and equal != len(off_tokens):
+        if dtype == torch.float32 and kv != "fp8" and equal != len(off_tokens):
             failed = True
         rate = on["acceptance_rate"]
         print(f"| {name} | {kv} | {k} | {equal}/{len(off_tokens)} | {prefix} | "
