@@ -627,10 +627,11 @@ def test_paged_slot_ids_keep_invalid_entries_invalid(with_extra):
     lengths = torch.tensor([6, 0, 3], dtype=torch.int32)
     extra_lengths = torch.tensor([5, 2, 0], dtype=torch.int32) if with_extra else None
     used = topk + (etopk if with_extra else 0)
-    got, no_q = attn._build_rows(indices.to(DEVICE), lengths.to(DEVICE), width, extra_indices.to(DEVICE) if with_extra else None,
-                           extra_lengths.to(DEVICE) if with_extra else None, extra if with_extra else None, used + 3,
-                           slots=slots.to(DEVICE), extra_slots=extra_slots.to(DEVICE) if with_extra else None,
-                           n_slots=(n0, n1 if with_extra else 0))
+    got, no_q = attn._build_rows(
+        indices.to(DEVICE), lengths.to(DEVICE), width, extra_indices.to(DEVICE) if with_extra else None,
+        extra_lengths.to(DEVICE) if with_extra else None, extra if with_extra else None, used + 3,
+        slots=slots.to(DEVICE), extra_slots=extra_slots.to(DEVICE) if with_extra else None,
+        n_slots=(n0, n1 if with_extra else 0))
     assert no_q is None  # no split: no repeated q
     assert bool((got[:, used:] == -1).all())  # padding up to splits * chunk
     want = _slot_ids_reference(indices, lengths, slots, n0, extra_indices if with_extra else None, extra_lengths,

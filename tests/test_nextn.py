@@ -9,8 +9,9 @@ The tiny checkpoint's NextN layer has random weights, so its own drafts are almo
 an "oracle drafter" (the real NextN runs, then its drafts are replaced by the reference tokens,
 every third one deliberately wrong) makes steps accept 0, 1 or all k drafts (+ the bonus token).
 Prompts: 190 tokens (longer than the 128 window; its first window page leaves the window during a
-verification, while the NextN pass over the verified rows still reads it; CSA/HCA entries), 62 tokens (its
-first verified rows straddle a page boundary) and one token, with max_batch_size 2 so that a request is admitted while others verify.
+verification, while the NextN pass over the verified rows still reads it; CSA/HCA entries), 62
+tokens (its first verified rows straddle a page boundary) and one token, with max_batch_size 2 so
+that a request is admitted while others verify.
 """
 
 import json

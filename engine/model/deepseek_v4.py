@@ -306,8 +306,8 @@ class DeepseekV4Runtime:
         # choose other entries than plain decoding.
         top = torch.full((x.size(0), k), -1, dtype=torch.long, device=x.device)
         for t, n in enumerate(visible.tolist()):
-            if n:
-                top[t, : min(k, n)] = index_scores[t, :n].topk(min(k, n)).indices
+            if n:  # a [1, n] row, the very call a one-token step makes
+                top[t, : min(k, n)] = index_scores[t:t + 1, :n].topk(min(k, n), dim=-1).indices[0]
         return top
 
     def _prefill_attention(self, layer_idx, attn, q, kv, seqs, entries, selections):
