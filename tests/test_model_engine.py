@@ -2,9 +2,10 @@
 
 Oracle: engine.model.hf_oracle.hf_greedy (transformers' DeepseekV4ForCausalLM, batch 1, its own
 cache). In float32 the engine's greedy tokens must equal the oracle's and per-step logits agree to
-fp32 rounding. Prompts cover: a text prompt, one longer than the 128-token window (150 tokens: window
-pages released, 37 ratio-4 entries, one ratio-128 entry), short ones, a one-token prompt; a
-max_batch_size below the request count forces admission while others decode.
+fp32 rounding. Prompts cover: a text prompt, one longer than the 128-token window (190 tokens: its
+first window page leaves the window at the first decode step; 47 ratio-4 entries, one ratio-128
+entry), short ones, a one-token prompt; a max_batch_size below the request count forces admission
+while others decode.
 """
 
 import json
@@ -39,7 +40,7 @@ def prompts(checkpoint):
     tok = tiny.load_tokenizer(checkpoint)
     return {
         "text": (tok.encode("DeepSeek-V4 on Hopper: sparse attention."), 8),
-        "long": (_random_prompt(150, 1), 6),
+        "long": (_random_prompt(190, 1), 6),
         "short": (_random_prompt(7, 2), 10),
         "one": ([tok.bos_token_id], 3),
     }
@@ -162,7 +163,7 @@ def test_engine_matches_oracle_fp32_with_continuous_batching(checkpoint, prompts
 
 
 def test_engine_indexer_selects_top_k(checkpoint, prompts, backend_env, tmp_path):
-    """index_topk 8 < the 37 entries of the long prompt: the lightning indexer really chooses."""
+    """index_topk 8 < the 47 entries of the long prompt: the lightning indexer really chooses."""
     small = tmp_path / "topk8"
     shutil.copytree(checkpoint, small)
     cfg = json.loads((small / "config.json").read_text())
