@@ -305,7 +305,8 @@ class DeepseekV4Runtime:
         # verification step (k + 1 tokens, keys that only its later tokens complete) would otherwise
         # choose other entries than plain decoding.
         top = torch.full((x.size(0), k), -1, dtype=torch.long, device=x.device)
-        for t, n in enumerate(visible.tolist()):
+        for t in range(x.size(0)):
+            n = (s.start + t + 1) // self.ratio[CSA]  # visible[t], from the host-side position: no sync
             if n:  # a [1, n] row, the very call a one-token step makes
                 top[t, : min(k, n)] = index_scores[t:t + 1, :n].topk(min(k, n), dim=-1).indices[0]
         return top
