@@ -10,8 +10,9 @@ the same tokens as engine.h20_ops.fused_sample_triton, operation for operation:
 - numerics: logits read as fp32; weights int64 = trunc(exp2((x - max) * scale) * 2^32) with exp2
   as ex2.approx.ftz.f32 (fast math, as Triton's tl.exp2); masses are exact int64 sums (reduction
   order is free); acceptance and residual use fp64 products and IEEE divisions in Triton's order.
-- thresholds by bisection over the weight range (33 masked passes at most each), the sampled
-  index by a chunk scan then a bisection inside the chunk (no scan primitive needed).
+- thresholds by bisection over the weight range (33 masked passes at most each; a pass keeps
+  per-thread sums and reduces them once), the sampled index by a chunk scan then a bisection
+  inside the chunk (no scan primitive needed).
 Constraints: logits rows contiguous (the wrapper copies otherwise); V < 2^31.
 Deliberate deviations from TileLang defaults: fast math (for the exp2 above) and no automatic
 safe-memory guards (all loads are guarded by hand; the guards made lowering take minutes). T.rng_*
@@ -32,7 +33,7 @@ import torch
 
 from engine.h20_ops.fused_sample_ref import DRAW_ACCEPT, DRAW_SAMPLE, TWO_POW_32
 
-THREADS = 256
+THREADS = 1024  # one CTA per row; its passes run 1.8x faster than with 256 threads (docs/sampling.md)
 BLOCK_V = 1024
 LOG2_BLOCK_V = 10
 BISECT_STEPS = 33  # the weight range [0, 2^32] has 2^32 + 1 values
@@ -86,12 +87,14 @@ THRESHOLD_PASSES = 2 * BISECT_STEPS + 2
 
 @T.macro
 def _row_max(t_buf, t_row, d_buf, d_row, side, n_vocab, xs, red_f, fs):
-    fs[F_MAX + side] = -T.infinity("float32")
+    # Each thread keeps the maxima of its lanes across chunks; one block reduction per pass.
+    for i in T.Parallel(BLOCK_V):
+        xs[i] = -T.infinity("float32")
     for c in T.serial(T.ceildiv(n_vocab, BLOCK_V)):
         for i in T.Parallel(BLOCK_V):
-            xs[i] = _logit(t_buf, t_row, d_buf, d_row, side, c * BLOCK_V + i, n_vocab)
-        T.reduce_max(xs, red_f, dim=0)
-        fs[F_MAX + side] = T.max(fs[F_MAX + side], red_f[0])
+            xs[i] = T.max(xs[i], _logit(t_buf, t_row, d_buf, d_row, side, c * BLOCK_V + i, n_vocab))
+    T.reduce_max(xs, red_f, dim=0)
+    fs[F_MAX + side] = red_f[0]
 
 
 @T.macro
@@ -132,18 +135,21 @@ def _thresholds(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, top_k, top_p, 
                 ints[PHASE] = 3
         if ints[PHASE] < 4:
             ints[MID] = T.if_then_else(ints[PHASE] % 2 == 0, ints[LO] + (ints[HI] - ints[LO]) // 2, ints[LO])
-            ints[P_MASS] = 0
-            ints[P_CNT] = 0
+            # Each thread sums its lanes across chunks (exact int64: < 2^49 for any row), one block
+            # reduction per pass: a reduction per chunk made the passes ~3x slower.
+            for i in T.Parallel(BLOCK_V):
+                ws[i] = T.int64(0)
+                part[i] = T.int64(0)
             for c in T.serial(T.ceildiv(n_vocab, BLOCK_V)):
                 for i in T.Parallel(BLOCK_V):
                     w = _weight(_logit(t_buf, t_row, d_buf, d_row, side, c * BLOCK_V + i, n_vocab),
                                 fs[F_MAX + side], scale)
-                    ws[i] = T.if_then_else(w >= ints[MID], w, T.int64(0))
-                    part[i] = T.if_then_else(w >= ints[MID], T.int64(1), T.int64(0))
-                T.reduce_sum(ws, red_i, dim=0)
-                T.reduce_sum(part, red_c, dim=0)
-                ints[P_MASS] = ints[P_MASS] + red_i[0]
-                ints[P_CNT] = ints[P_CNT] + red_c[0]
+                    ws[i] = ws[i] + T.if_then_else(w >= ints[MID], w, T.int64(0))
+                    part[i] = part[i] + T.if_then_else(w >= ints[MID], T.int64(1), T.int64(0))
+            T.reduce_sum(ws, red_i, dim=0)
+            T.reduce_sum(part, red_c, dim=0)
+            ints[P_MASS] = red_i[0]
+            ints[P_CNT] = red_c[0]
             if ints[PHASE] == 0:
                 if ints[P_CNT] >= top_k:
                     ints[LO] = ints[MID]
@@ -185,11 +191,14 @@ def _fill_values(t_buf, t_row, d_buf, d_row, n_vocab, scale, c, ints, fs, ws):
 def _pick(t_buf, t_row, d_buf, d_row, n_vocab, scale, r, ws, part, red_i, ints, fs):
     """ints[TOK] = first index whose prefix of the ints[MODE] distribution exceeds _target(r, mass);
     a residual without mass falls back to the kept target weights; -1 if nothing has mass."""
-    ints[P_MASS] = 0
+    for i in T.Parallel(BLOCK_V):
+        part[i] = T.int64(0)
     for c in T.serial(T.ceildiv(n_vocab, BLOCK_V)):
         _fill_values(t_buf, t_row, d_buf, d_row, n_vocab, scale, c, ints, fs, ws)
-        T.reduce_sum(ws, red_i, dim=0)
-        ints[P_MASS] = ints[P_MASS] + red_i[0]
+        for i in T.Parallel(BLOCK_V):
+            part[i] = part[i] + ws[i]
+    T.reduce_sum(part, red_i, dim=0)
+    ints[P_MASS] = red_i[0]
     if ints[P_MASS] == 0:
         ints[MODE] = 0
         ints[P_MASS] = ints[MASS]
