@@ -77,8 +77,8 @@ def _target(r, mass):
 (LO, HI, MID, PHASE, P_MASS, P_CNT, KEEP_T, _KEEP_T_DRAFT, MASS, _MASS_DRAFT, MODE, RUN, CHUNK, BASE, TOK, ACC,
  WX, _WX_DRAFT, T_ROW, D_ROW) = range(20)
 N_INT = 20
-F_MAX, _F_MAX_DRAFT, F_BEST = range(3)
-N_FLOAT = 3
+F_MAX, _F_MAX_DRAFT = range(2)
+N_FLOAT = 2
 D_NEED, D_LHS, D_RHS = range(3)
 N_DOUBLE = 3
 # Threshold search phases: 0 top-k bisection, 1 mass at t_k, 2 top-p bisection, 3 final mass, 4 done.
@@ -99,19 +99,22 @@ def _row_max(t_buf, t_row, d_buf, d_row, side, n_vocab, xs, red_f, fs):
 
 @T.macro
 def _row_argmax(t_buf, t_row, n_vocab, xs, ws, red_f, red_i, fs, ints):
-    """ints[TOK] = first index of the target row's maximum (0 for an all -inf row)."""
-    fs[F_BEST] = -T.infinity("float32")
-    ints[TOK] = 0
+    """ints[TOK] = first index of the target row's maximum (0 for an all -inf row). Each lane keeps its
+    maximum and the first index where it met it (lanes visit increasing indices); two block reductions
+    at the end pick the smallest such index among the lanes holding the row maximum."""
+    for i in T.Parallel(BLOCK_V):
+        xs[i] = -T.infinity("float32")
+        ws[i] = T.Cast("int64", n_vocab)
     for c in T.serial(T.ceildiv(n_vocab, BLOCK_V)):
         for i in T.Parallel(BLOCK_V):
-            xs[i] = _logit(t_buf, t_row, t_buf, t_row, 0, c * BLOCK_V + i, n_vocab)
-        T.reduce_max(xs, red_f, dim=0)
-        for i in T.Parallel(BLOCK_V):
-            ws[i] = T.if_then_else(xs[i] == red_f[0], T.Cast("int64", c * BLOCK_V + i), T.Cast("int64", n_vocab))
-        T.reduce_min(ws, red_i, dim=0)
-        if red_f[0] > fs[F_BEST]:
-            fs[F_BEST] = red_f[0]
-            ints[TOK] = red_i[0]
+            x = _logit(t_buf, t_row, t_buf, t_row, 0, c * BLOCK_V + i, n_vocab)
+            ws[i] = T.if_then_else(x > xs[i], T.Cast("int64", c * BLOCK_V + i), ws[i])
+            xs[i] = T.max(xs[i], x)
+    T.reduce_max(xs, red_f, dim=0)
+    for i in T.Parallel(BLOCK_V):
+        ws[i] = T.if_then_else(xs[i] == red_f[0], ws[i], T.Cast("int64", n_vocab))
+    T.reduce_min(ws, red_i, dim=0)
+    ints[TOK] = T.if_then_else(red_i[0] < n_vocab, red_i[0], T.int64(0))
 
 
 @T.macro
