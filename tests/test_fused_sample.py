@@ -20,6 +20,13 @@ from engine.h20_ops import fused_sample_triton as ft
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 REPO = Path(__file__).resolve().parents[1]
+# Exact checks (Philox words, argmax, determinism) run where the kernels run: the GPU when there is one.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Token-for-token equality with the numpy oracle holds under the CPU interpreter (numpy's exp2); a GPU's
+# ex2.approx may move a weight by a few units, so on a GPU scripts/ab_fused_sample.py compares the
+# kernels with each other instead.
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason=(
+    "Triton == numpy oracle token for token is a CPU-interpreter check; on a GPU run scripts/ab_fused_sample.py"))
 N_DRAWS = 100_000
 CHI2_ALPHA_Z = 3.719  # standard normal quantile at 1 - 1e-4
 
@@ -45,7 +52,7 @@ def test_triton_draws_equal_reference_stream():
     seeds = torch.randint(-2**62, 2**62, (n,), generator=g, dtype=torch.int64)
     positions = torch.randint(0, 2**40, (n,), generator=g, dtype=torch.int64)  # high word in use
     positions[:4] = torch.tensor([0, 1, 2**32 - 1, 2**32])
-    out = ft.philox_words(seeds, positions)
+    out = ft.philox_words(seeds.to(DEVICE), positions.to(DEVICE)).cpu()
     expected = np.stack([ref.draw_u32(seeds.numpy(), positions.numpy(), d) for d in range(4)], axis=1)
     assert np.array_equal(out.numpy(), expected.astype(np.int64))
     assert len(np.unique(expected)) == expected.size  # the four lanes are distinct words
@@ -82,7 +89,7 @@ def _logits(shape, dtype, g):
 
 def _padded(x):
     """The same values with a row stride larger than the vocabulary (non-contiguous rows)."""
-    wide = torch.full((*x.shape[:-1], x.shape[-1] + 5), float("nan"), dtype=x.dtype)
+    wide = torch.full((*x.shape[:-1], x.shape[-1] + 5), float("nan"), dtype=x.dtype, device=x.device)
     wide[..., : x.shape[-1]] = x
     return wide[..., : x.shape[-1]]
 
@@ -95,13 +102,14 @@ def test_greedy_equals_first_argmax(dtype):
     x = _logits((9, 150), dtype, g)
     x[2] = float("-inf")
     x[3, 10] = x[3, 100] = 50.0  # tie of the maxima: the first wins
-    x = _padded(x)
-    got = fs.greedy_sample(x, backend="triton")
+    x = _padded(x.to(DEVICE))
+    got = fs.greedy_sample(x, backend="triton").cpu()
     assert got.dtype == torch.int64
-    assert torch.equal(got, torch.argmax(x.float(), dim=1))
+    assert torch.equal(got, torch.argmax(x.float().cpu(), dim=1))
     assert got[3] == 10 and got[2] == 0
 
 
+@interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sample_triton_equals_reference(dtype):
     g = torch.Generator().manual_seed(2)
@@ -118,6 +126,7 @@ def test_sample_triton_equals_reference(dtype):
     assert torch.equal(drafted, fs.sample(x, *params, draw=DRAW_DRAFT, backend="ref"))
 
 
+@interpreter_only
 def test_rejection_triton_equals_reference():
     g = torch.Generator().manual_seed(3)
     n, k, v = 8, 3, 100
@@ -141,6 +150,7 @@ def test_rejection_triton_equals_reference():
         assert got_tokens[row, a] >= 0 and bool((got_tokens[row, a + 1:] == -1).all())
 
 
+@interpreter_only
 def test_rejection_bf16_noncontiguous_triton_equals_reference():
     g = torch.Generator().manual_seed(4)
     n, k, v = 4, 1, 70
@@ -275,10 +285,12 @@ def test_same_seed_same_tokens_and_batch_order_does_not_matter():
     temperature[0] = 1.0
     top_k[:] = 0
     top_p[:] = 1.0
+    x, seeds, positions, temperature, top_k, top_p = (t.to(DEVICE) for t in (x, seeds, positions, temperature,
+                                                                              top_k, top_p))
     first = fs.sample(x, seeds, positions, temperature, top_k, top_p, backend="triton")
     again = fs.sample(x, seeds, positions, temperature, top_k, top_p, backend="triton")
     assert torch.equal(first, again)
-    perm = torch.tensor([3, 0, 5, 1, 4, 2])
+    perm = torch.tensor([3, 0, 5, 1, 4, 2], device=DEVICE)
     permuted = fs.sample(x[perm], seeds[perm], positions[perm], temperature[perm], top_k[perm], top_p[perm],
                          backend="triton")
     assert torch.equal(permuted, first[perm])
@@ -337,7 +349,9 @@ def test_bad_draw_backend_and_rejection_shapes():
 # ---------------------------------------------------------------- backend resolution and TileLang
 
 def _run_python(code: str, **env) -> str:
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    # the repository first, then whatever the caller's path had (e.g. an unpacked TileLang bundle)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    full_env = {**os.environ, "PYTHONPATH": path, **env}
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=full_env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
