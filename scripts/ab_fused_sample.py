@@ -103,6 +103,10 @@ def main() -> int:
         for dtype in (torch.float32, torch.bfloat16):
             x = (3.0 * torch.randn(n_req, v, generator=g)).to(dtype).to(dev)
             x[:, ::11] = float("-inf")
+            # ties of the row maximum (the first index wins): far apart, 1024 apart (one thread's
+            # entries in the TileLang kernel), adjacent; and a row without a finite logit (token 0)
+            x[1, 5] = x[1, v - 3] = x[2, 7] = x[2, 7 + 1024 % v] = x[3, 2] = x[3, 3] = 50.0
+            x[4] = float("-inf")
             p = params(n_req, v, g, dev)
             tag = f"V={v} {str(dtype).split('.')[-1]} N={n_req}"
 
