@@ -45,7 +45,8 @@ for s in "$@"; do
         tests-no-tilelang)  # the Triton-backend files with the bundle off the path: the Triton backend on this GPU
             # (what a node without TileLang runs; on an image without TileLang of its own)
             step tests_no_tilelang 300 env PYTHONPATH="$PWD" python3 -m pytest -q -p no:cacheprovider \
-                tests/test_dispatcher.py tests/test_flashmla_sparse.py tests/test_attn_sm90.py tests/test_kv_quant.py ;;
+                tests/test_dispatcher.py tests/test_flashmla_sparse.py tests/test_attn_sm90.py tests/test_kv_quant.py \
+                tests/test_fused_sample.py ;;
         engine) step engine 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_model_engine.py -m gpu ;;
         memcheck)
             step memcheck_triton 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q \
