@@ -294,11 +294,10 @@ class DeepseekV4Runtime:
         scores = F.relu(scores) * scorer.softmax_scale
         weights = scorer.weights_proj(x).float()[None] * scorer.weights_scaling
         index_scores = (scores * weights.unsqueeze(-1)).sum(dim=2)[0]  # [S, n_keys]
-        future = torch.arange(n_keys, device=x.device)[None, :] >= visible[:, None]
-        index_scores = index_scores.masked_fill(future, float("-inf"))
         k = min(indexer.index_topk, n_keys)
         if prefill:  # the reference's prefill: one top-k over all keys, the future ones masked
-            top = index_scores.topk(k, dim=-1).indices
+            future = torch.arange(n_keys, device=x.device)[None, :] >= visible[:, None]
+            top = index_scores.masked_fill(future, float("-inf")).topk(k, dim=-1).indices
             return torch.where(top < visible[:, None], top, -1)  # picks among -inf scores are not entries
         # Decode: token t ranks exactly its visible keys, as a one-token step does. ReLU makes exact
         # ties (scores of 0) common, and top-k breaks them differently over a longer row, so a
