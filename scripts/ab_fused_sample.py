@@ -1,5 +1,6 @@
 """GPU A/B of fused_sample: Triton vs TileLang must draw bit-identical random words and emit identical
-tokens (greedy, sampling, rejection sampling; fp32 and bf16; small and DeepSeek-size vocabularies).
+tokens (greedy, sampling, rejection sampling; fp32, bf16 and fp32 logits that hold bf16 values, the
+engine's case; small and DeepSeek-size vocabularies).
 Also reports agreement with the CPU oracle (its exp2 is not the GPU's ex2.approx, so rare
 differences are expected there and are reported, not failed) and a timing table.
 
@@ -100,15 +101,20 @@ def main() -> int:
     # 2. tokens
     rows = []
     for v, n_req in ((1000, 256), (129280, 64)):
-        for dtype in (torch.float32, torch.bfloat16):
-            x = (3.0 * torch.randn(n_req, v, generator=g)).to(dtype).to(dev)
+        # (the thresholds are searched over 16-bit keys when every logit is a bf16 value, else 32-bit)
+        for label, dtype, values in (("fp32", torch.float32, torch.float32), ("bf16", torch.bfloat16, torch.bfloat16),
+                                     ("fp32 of bf16", torch.float32, torch.bfloat16)):
+            def logits(*shape):
+                return (3.0 * torch.randn(*shape, generator=g)).to(values).to(dtype)
+
+            x = logits(n_req, v).to(dev)
             x[:, ::11] = float("-inf")
             # ties of the row maximum (the first index wins): far apart, 1024 apart (one thread's
             # entries in the TileLang kernel), adjacent; and a row without a finite logit (token 0)
             x[1, 5] = x[1, v - 3] = x[2, 7] = x[2, 7 + 1024 % v] = x[3, 2] = x[3, 3] = 50.0
             x[4] = float("-inf")
             p = params(n_req, v, g, dev)
-            tag = f"V={v} {str(dtype).split('.')[-1]} N={n_req}"
+            tag = f"V={v} {label} N={n_req}"
 
             a, b = fs.greedy_sample(x, backend="triton"), fs.greedy_sample(x, backend="tilelang")
             check(f"greedy {tag}", torch.equal(a, b) and torch.equal(a, torch.argmax(x.float(), 1)))
@@ -121,8 +127,8 @@ def main() -> int:
             check(f"sample draft lane {tag}", torch.equal(a2, b2))
 
             for k in (1, 3):
-                target = (3.0 * torch.randn(n_req, k + 1, v, generator=g)).to(dtype).to(dev)
-                draft = (target[:, :k].float().cpu() + torch.randn(n_req, k, v, generator=g)).to(dtype).to(dev)
+                target = logits(n_req, k + 1, v).to(dev)
+                draft = (target[:, :k].float().cpu() + torch.randn(n_req, k, v, generator=g)).to(values).to(dtype).to(dev)
                 draft_tokens = torch.stack([fs.sample(draft[:, j].contiguous(), p[0], p[1] + j, *p[2:], draw=DRAW_DRAFT,
                                                       backend="triton") for j in range(k)], 1)
                 ta, aa = fs.rejection_sample(target, draft, draft_tokens, *p, backend="triton")
@@ -132,11 +138,11 @@ def main() -> int:
                 check(f"rejection K={k} {tag}", torch.equal(ta, tb) and torch.equal(aa, ab),
                       f"(mean accepted {aa.float().mean().item():.2f}; vs oracle: "
                       f"{(ta.cpu() != to).any(1).sum().item()} of {n_req} rows differ)")
-                if v == 129280 and dtype == torch.bfloat16 and k == 3:
+                if v == 129280 and values == torch.bfloat16 and k == 3:
                     for backend in ("triton", "tilelang"):
                         rows.append((f"rejection K=3 {tag}", backend, timed(
                             lambda: fs.rejection_sample(target, draft, draft_tokens, *p, backend=backend))))
-            if v == 129280 and dtype == torch.bfloat16:
+            if v == 129280 and values == torch.bfloat16:
                 for backend in ("triton", "tilelang"):
                     rows.append((f"greedy {tag}", backend, timed(lambda: fs.greedy_sample(x, backend=backend))))
                     rows.append((f"sample {tag}", backend, timed(lambda: fs.sample(x, *p, backend=backend))))

@@ -12,8 +12,23 @@ export PYTHONUNBUFFERED=1
 if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     exec "$PYTHON" -m pytest -q -p no:cacheprovider "$@"
 fi
+# The CPU suite runs Triton's interpreter, which (triton 3.6) needs numpy < 2.4 (pyproject's `interpreter`
+# extra); a GPU image may have a newer one: then that numpy goes into .interpreter_numpy/, first on the
+# CPU suite's path only (pip's PIP_FIND_LINKS / PIP_NO_INDEX serve a node without network).
+numpy_ok='import sys, numpy; sys.exit(numpy.lib.NumpyVersion(numpy.__version__) >= "2.4.0")'
+cpu_path=$PYTHONPATH
+if ! "$PYTHON" -c "$numpy_ok"; then
+    cpu_path="$PWD/.interpreter_numpy:$PYTHONPATH"
+    if ! PYTHONPATH="$cpu_path" "$PYTHON" -c "$numpy_ok" 2>/dev/null; then
+        echo "[tests] installing numpy<2.4 into .interpreter_numpy/ for the CPU suite (Triton's interpreter)" >&2
+        "$PYTHON" -m pip install -q --upgrade --target .interpreter_numpy "numpy<2.4" >&2 || {
+            echo "[tests] cannot install numpy<2.4 (no network? set PIP_FIND_LINKS to a folder with its wheel)" >&2
+            exit 1
+        }
+    fi
+fi
 echo "[tests] CPU suite (CUDA hidden)" >&2
-CUDA_VISIBLE_DEVICES= "$PYTHON" -m pytest -q -p no:cacheprovider -m "not gpu" "$@"
+CUDA_VISIBLE_DEVICES= PYTHONPATH="$cpu_path" "$PYTHON" -m pytest -q -p no:cacheprovider -m "not gpu" "$@"
 cpu_rc=$?
 echo "[tests] GPU tests" >&2
 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu "$@"

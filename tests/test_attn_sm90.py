@@ -752,3 +752,20 @@ def test_paged_fp8_equals_the_buffer_path(monkeypatch, batch, s_q, lengths, spli
     assert torch.equal(out, want_out)
     if lengths:
         assert bool((out[0] == 0).all()) and bool(torch.isinf(lse[0]).all())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's numpy guard: CPU tensors only")
+def test_interpreted_kernels_with_runtime_loops_name_the_numpy_they_need(monkeypatch):
+    """numpy >= 2.4 breaks triton 3.6's interpreter on runtime loop bounds (a TypeError deep inside it):
+    the launches with such loops say so first, naming the kernel and the installed numpy."""
+    import numpy
+
+    from engine.h20_ops.vendor import flashmla_sparse
+
+    monkeypatch.setattr(numpy, "__version__", "2.5.2")
+    parts, lse_parts = torch.zeros(4, 64, 512), torch.zeros(4, 64)
+    with pytest.raises(RuntimeError, match=r"_merge_splits_kernel: .*numpy < 2\.4.*found numpy 2\.5\.2"):
+        attn._merge_splits(parts, lse_parts, 2, None)
+    q, kv = torch.zeros(2, 64, 576, dtype=torch.bfloat16), torch.zeros(8, 1, 576, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"flash_mla_sparse_fwd: .*found numpy 2\.5\.2"):
+        flashmla_sparse.flash_mla_sparse_fwd(q, kv, torch.zeros(2, 1, 4, dtype=torch.int32), 0.1)

@@ -163,6 +163,41 @@ def test_rejection_bf16_noncontiguous_triton_equals_reference():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@interpreter_only
+def test_thresholds_stay_exact_when_exp2_is_not_monotone(monkeypatch):
+    """The kernels search thresholds over logits and then check the bracket in weights. With an exp2
+    that is not monotone (numpy's, patched: x3 on a band of arguments, for the interpreter and the
+    oracle alike) the logit search lands on wrong thresholds, and the weight bisection must repair
+    them: tokens still equal the oracle's."""
+    exp2 = np.exp2
+
+    def bumpy_exp2(z):
+        z = np.asarray(z)
+        return exp2(z) * np.where((z > -3.0) & (z < -2.0), np.float32(3.0), np.float32(1.0)).astype(z.dtype)
+
+    g = torch.Generator().manual_seed(9)
+    n, v = 40, 150
+    x = torch.linspace(0.0, -6.0, v)[torch.randperm(v, generator=g)].repeat(n, 1)  # z = x * log2(e)
+    seeds, positions = _batch(n, 77, g)
+    temperature = torch.ones(n)
+    top_k = torch.randint(2, 40, (n,), generator=g)
+    top_k[::2] = 0
+    top_p = 0.2 + 0.7 * torch.rand(n, generator=g)
+    top_p[1::4] = 1.0
+    monkeypatch.setattr(np, "exp2", bumpy_exp2)
+    # the trap is live: for some rows the weight of the k-th largest logit is not the k-th largest weight,
+    # and the top-p threshold over the logits' order is not the weights' one
+    w = ref.weights(x.numpy(), ref.sampling_scale(temperature).numpy())
+    by_logit = np.take_along_axis(w, np.argsort(-x.numpy(), axis=1, kind="stable"), axis=1)
+    k = top_k.numpy()
+    rows = np.arange(n)[k > 0]
+    assert (by_logit[rows, k[rows] - 1] != -np.sort(-w[rows], axis=1)[np.arange(len(rows)), k[rows] - 1]).any()
+    assert not np.array_equal(np.maximum.accumulate(by_logit[:, ::-1], axis=1)[:, ::-1], by_logit)
+    params = (seeds, positions, temperature, top_k, top_p)
+    got = fs.sample(x, *params, backend="triton")
+    assert torch.equal(got, fs.sample(x, *params, backend="ref"))
+
+
 # ---------------------------------------------------------------- distributions (oracle)
 
 def _chi2_limit(df: int) -> float:

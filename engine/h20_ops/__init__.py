@@ -34,3 +34,16 @@ def dependent_launch(device: torch.device) -> bool:
     (griddepcontrol.wait) before its first global memory access."""
     capability = cuda_capability(device)
     return capability is not None and capability[0] >= 9
+
+
+def require_interpretable_numpy(kernel: str) -> None:
+    """Before a kernel with a runtime-bounded loop runs under Triton's interpreter: triton 3.6's
+    interpreter turns such a bound into int() of a 1-element array, which numpy >= 2.4 rejects deep
+    inside it ("only 0-dimensional arrays can be converted"); pyproject's `interpreter` extra pins
+    numpy < 2.4. Raises RuntimeError naming the kernel and the installed numpy."""
+    import numpy
+
+    if numpy.lib.NumpyVersion(numpy.__version__) >= "2.4.0":
+        raise RuntimeError(f"{kernel}: Triton's interpreter (TRITON_INTERPRET=1, triton 3.6) needs numpy < 2.4 for "
+                           f"this kernel's runtime-bounded loop, found numpy {numpy.__version__} "
+                           f"(pip install 'numpy<2.4', or the project's `interpreter` extra)")

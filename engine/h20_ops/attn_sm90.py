@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.h20_ops import dependent_launch, kv_quant, sm_count, sparse_mla
+from engine.h20_ops import dependent_launch, kv_quant, require_interpretable_numpy, sm_count, sparse_mla
 from engine.h20_ops.checks import (check_decode_args, check_paged_decode_args, check_sink, require_same_device,
                                    require_scale, require_tensor)
 
@@ -355,6 +355,8 @@ def _build_rows(indices, topk_length, width, extra_indices, extra_topk_length, e
     else:  # placeholders: the kernel's q copy is compiled out
         q_rows, q_split, q_numel, q_strides, d = out, None, 0, (0, 0, 0), 1
     q_programs = triton.cdiv(q_numel, q_block)
+    if copy_q and not out.is_cuda:  # the q copy loops over the splits
+        require_interpretable_numpy("_build_rows_kernel")
     dependent = dependent_launch(indices.device)
     _build_rows_kernel[(batch * s_q, list_programs + q_programs)](
         out, out_len, s_q, request_stride,
@@ -448,6 +450,8 @@ def _merge_splits(out_parts: torch.Tensor, lse_parts: torch.Tensor, splits: int,
     out = torch.empty((n, heads, d_v), dtype=out_parts.dtype, device=out_parts.device)
     lse = torch.empty((n, heads), dtype=torch.float32, device=out_parts.device)
     block_h = 8
+    if not out.is_cuda:
+        require_interpretable_numpy("_merge_splits_kernel")
     dependent = dependent_launch(out_parts.device)
     _merge_splits_kernel[(n, triton.cdiv(heads, block_h))](
         out_parts, out_parts.stride(0), out_parts.stride(1), lse_parts, lse_parts.stride(0), lse_parts.stride(1),

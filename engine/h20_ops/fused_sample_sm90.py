@@ -10,8 +10,11 @@ the same tokens as engine.h20_ops.fused_sample_triton, operation for operation:
 - numerics: logits read as fp32; weights int64 = trunc(exp2((x - max) * scale) * 2^32) with exp2
   as ex2.approx.ftz.f32 (fast math, as Triton's tl.exp2); masses are exact int64 sums (reduction
   order is free); acceptance and residual use fp64 products and IEEE divisions in Triton's order.
-- thresholds by bisection over the weight range (33 masked passes at most each; a pass keeps
-  per-thread sums and reduces them once), the sampled index by a chunk scan then a bisection
+- thresholds as fused_sample_triton finds them: bisection over the row's ordered logit bit patterns
+  (16 bits when every logit is a bf16 value, else 32; top-k with compare-only passes, top-p with a
+  weight pass per step), one pass checking that the weight found brackets the threshold exactly, a
+  bisection over the weight range (33 steps at most) from the side that failed otherwise; a pass
+  keeps per-thread sums and reduces them once. The sampled index by a chunk scan then a bisection
   inside the chunk (no scan primitive needed).
 Constraints: logits rows contiguous (the wrapper copies otherwise); V < 2^31.
 Deliberate deviations from TileLang defaults: fast math (for the exp2 above) and no automatic
@@ -37,6 +40,7 @@ THREADS = 1024  # one CTA per row; its passes run 1.8x faster than with 256 thre
 BLOCK_V = 1024
 LOG2_BLOCK_V = 10
 BISECT_STEPS = 33  # the weight range [0, 2^32] has 2^32 + 1 values
+KEY_STEPS = 32  # ordered fp32 keys (fewer run when the grain is 16)
 WEIGHT_END = 4294967297
 PASS_CONFIGS = {
     "tl.enable_fast_math": True,  # exp2f -> ex2.approx.ftz.f32, as Triton's tl.exp2
@@ -59,6 +63,19 @@ def _weight(x, row_max, scale):
     return T.if_then_else(x == -T.infinity("float32"), T.int64(0), w)
 
 
+def _key(x, grain):
+    """Ordered key of fp32 x (keys compare as the values do, -0 just below +0), shifted right by grain."""
+    b = T.Cast("int64", T.reinterpret(x, "int32"))
+    return T.if_then_else(b >= 0, b + T.int64(2**31), T.int64(2**31 - 1) - (b & T.int64(0x7FFFFFFF))) >> grain
+
+
+def _key_value(k, grain):
+    """The fp32 value of key k (inverse of _key for values whose low `grain` bits are 0)."""
+    half = T.int64(1) << (T.int64(31) - grain)  # keys >= half are the non-negative values
+    bits = T.if_then_else(k >= half, (k - half) << grain, ((half - 1 - k) << grain) | T.int64(2**31))
+    return T.reinterpret(T.Cast("int32", bits), "float32")
+
+
 def _prob(w, mass):
     return T.if_then_else(mass > 0, T.Cast("float64", w) / T.Cast("float64", T.max(mass, T.int64(1))),
                           T.float64(0))
@@ -74,27 +91,31 @@ def _target(r, mass):
 
 # Per-thread scalar state lives in small local arrays (every thread holds the same values: they
 # come from all-reduces), addressed by these slots; "+ side" selects target (0) or draft (1).
-(LO, HI, MID, PHASE, P_MASS, P_CNT, KEEP_T, _KEEP_T_DRAFT, MASS, _MASS_DRAFT, MODE, RUN, CHUNK, BASE, TOK, ACC,
- WX, _WX_DRAFT, T_ROW, D_ROW) = range(20)
-N_INT = 20
-F_MAX, _F_MAX_DRAFT = range(2)
-N_FLOAT = 2
+(LO, HI, MID, P_MASS, P_CNT, N_ABOVE, M_ABOVE, KEEP_T, _KEEP_T_DRAFT, MASS, _MASS_DRAFT, MODE, RUN, CHUNK, BASE,
+ TOK, ACC, WX, _WX_DRAFT, T_ROW, D_ROW, GRAIN, KEY_LO, KEY_HI, KEY_END, T_CAND, T_K) = range(27)
+N_INT = 27
+F_MAX, _F_MAX_DRAFT, F_CAND = range(3)
+N_FLOAT = 3
 D_NEED, D_LHS, D_RHS = range(3)
 N_DOUBLE = 3
-# Threshold search phases: 0 top-k bisection, 1 mass at t_k, 2 top-p bisection, 3 final mass, 4 done.
-THRESHOLD_PASSES = 2 * BISECT_STEPS + 2
 
 
 @T.macro
-def _row_max(t_buf, t_row, d_buf, d_row, side, n_vocab, xs, red_f, fs):
-    # Each thread keeps the maxima of its lanes across chunks; one block reduction per pass.
+def _row_max(t_buf, t_row, d_buf, d_row, side, n_vocab, xs, part, red_f, red_i, fs, ints):
+    """fs[F_MAX + side] = the row maximum; ints[GRAIN] = 16 if every logit is a bf16 value (its fp32 bits
+    end in 16 zeros), else 0. Each thread keeps its lanes' max and OR across chunks; one reduction each."""
     for i in T.Parallel(BLOCK_V):
         xs[i] = -T.infinity("float32")
+        part[i] = T.int64(0)
     for c in T.serial(T.ceildiv(n_vocab, BLOCK_V)):
         for i in T.Parallel(BLOCK_V):
-            xs[i] = T.max(xs[i], _logit(t_buf, t_row, d_buf, d_row, side, c * BLOCK_V + i, n_vocab))
+            x = _logit(t_buf, t_row, d_buf, d_row, side, c * BLOCK_V + i, n_vocab)
+            xs[i] = T.max(xs[i], x)
+            part[i] = part[i] | T.Cast("int64", T.reinterpret(x, "int32") & 0xFFFF)
     T.reduce_max(xs, red_f, dim=0)
     fs[F_MAX + side] = red_f[0]
+    T.reduce_max(part, red_i, dim=0)
+    ints[GRAIN] = T.if_then_else(red_i[0] == 0, T.int64(16), T.int64(0))
 
 
 @T.macro
@@ -118,61 +139,137 @@ def _row_argmax(t_buf, t_row, n_vocab, xs, ws, red_f, red_i, fs, ints):
 
 
 @T.macro
-def _thresholds(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, top_k, top_p, ws, part, red_i, red_c, ints, ds,
-                fs):
-    """ints[KEEP_T + side] / ints[MASS + side]: weight threshold of top-k then top-p and the kept mass.
-    One masked pass per step: bisection for top-k (largest t with count(w >= t) >= k), the mass at
-    t_k, bisection for top-p (largest t with mass(w >= t) >= p * mass at t_k), the final mass."""
+def _count_logits_pass(t_buf, t_row, d_buf, d_row, side, n_vocab, part, red_c, ints, fs):
+    """ints[P_CNT] = count(x >= fs[F_CAND]); F_CAND > -inf, so the -inf padding is never counted."""
+    for i in T.Parallel(BLOCK_V):
+        part[i] = T.int64(0)
+    for c in T.serial(T.ceildiv(n_vocab, BLOCK_V)):
+        for i in T.Parallel(BLOCK_V):
+            part[i] = part[i] + T.if_then_else(
+                _logit(t_buf, t_row, d_buf, d_row, side, c * BLOCK_V + i, n_vocab) >= fs[F_CAND], T.int64(1),
+                T.int64(0))
+    T.reduce_sum(part, red_c, dim=0)
+    ints[P_CNT] = red_c[0]
+
+
+@T.macro
+def _mass_pass(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, t, ws, red_i, ints, fs):
+    """ints[P_MASS] = mass(w >= t)."""
+    for i in T.Parallel(BLOCK_V):
+        ws[i] = T.int64(0)
+    for c in T.serial(T.ceildiv(n_vocab, BLOCK_V)):
+        for i in T.Parallel(BLOCK_V):
+            w = _weight(_logit(t_buf, t_row, d_buf, d_row, side, c * BLOCK_V + i, n_vocab), fs[F_MAX + side], scale)
+            ws[i] = ws[i] + T.if_then_else(w >= t, w, T.int64(0))
+    T.reduce_sum(ws, red_i, dim=0)
+    ints[P_MASS] = red_i[0]
+
+
+@T.macro
+def _bracket_pass(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, t, ws, part, ws2, part2, red_i, ints, fs):
+    """ints[P_CNT], ints[N_ABOVE], ints[P_MASS], ints[M_ABOVE] = count(w >= t), count(w >= t + 1),
+    mass(w >= t), mass(w >= t + 1) over the row's n_vocab entries."""
+    for i in T.Parallel(BLOCK_V):
+        ws[i] = T.int64(0)
+        part[i] = T.int64(0)
+        ws2[i] = T.int64(0)
+        part2[i] = T.int64(0)
+    for c in T.serial(T.ceildiv(n_vocab, BLOCK_V)):
+        for i in T.Parallel(BLOCK_V):
+            w = _weight(_logit(t_buf, t_row, d_buf, d_row, side, c * BLOCK_V + i, n_vocab), fs[F_MAX + side], scale)
+            at_t = T.And(w >= t, c * BLOCK_V + i < n_vocab)
+            part[i] = part[i] + T.if_then_else(at_t, T.int64(1), T.int64(0))
+            part2[i] = part2[i] + T.if_then_else(w > t, T.int64(1), T.int64(0))
+            ws[i] = ws[i] + T.if_then_else(at_t, w, T.int64(0))
+            ws2[i] = ws2[i] + T.if_then_else(w > t, w, T.int64(0))
+    T.reduce_sum(part, red_i, dim=0)
+    ints[P_CNT] = red_i[0]
+    T.reduce_sum(part2, red_i, dim=0)
+    ints[N_ABOVE] = red_i[0]
+    T.reduce_sum(ws, red_i, dim=0)
+    ints[P_MASS] = red_i[0]
+    T.reduce_sum(ws2, red_i, dim=0)
+    ints[M_ABOVE] = red_i[0]
+
+
+@T.macro
+def _thresholds(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, top_k, top_p, ws, part, ws2, part2, red_i, red_c,
+                ints, ds, fs):
+    """ints[KEEP_T + side] / ints[MASS + side]: weight threshold of top-k then top-p and the kept mass,
+    step for step as fused_sample_triton._kept_threshold: top-k over the ordered logits by compare-only
+    passes, top-p over them by mass passes (mass(w >= max(w(c), t_k)) >= p * top-k mass), each checked
+    by a bracket pass and repaired by bisection over the weights if the check fails."""
     ints[LO] = 0
-    ints[HI] = WEIGHT_END
-    ints[PHASE] = 1
-    if top_k > 0:
-        if top_k < n_vocab:
-            ints[PHASE] = 0
-    for _ in T.serial(THRESHOLD_PASSES):
-        if ints[PHASE] == 0:
-            if ints[HI] - ints[LO] <= 1:
-                ints[PHASE] = 1
-        if ints[PHASE] == 2:
-            if ints[HI] - ints[LO] <= 1:
-                ints[PHASE] = 3
-        if ints[PHASE] < 4:
-            ints[MID] = T.if_then_else(ints[PHASE] % 2 == 0, ints[LO] + (ints[HI] - ints[LO]) // 2, ints[LO])
-            # Each thread sums its lanes across chunks (exact int64: < 2^49 for any row), one block
-            # reduction per pass: a reduction per chunk made the passes ~3x slower.
-            for i in T.Parallel(BLOCK_V):
-                ws[i] = T.int64(0)
-                part[i] = T.int64(0)
-            for c in T.serial(T.ceildiv(n_vocab, BLOCK_V)):
-                for i in T.Parallel(BLOCK_V):
-                    w = _weight(_logit(t_buf, t_row, d_buf, d_row, side, c * BLOCK_V + i, n_vocab),
-                                fs[F_MAX + side], scale)
-                    ws[i] = ws[i] + T.if_then_else(w >= ints[MID], w, T.int64(0))
-                    part[i] = part[i] + T.if_then_else(w >= ints[MID], T.int64(1), T.int64(0))
-            T.reduce_sum(ws, red_i, dim=0)
-            T.reduce_sum(part, red_c, dim=0)
-            ints[P_MASS] = red_i[0]
-            ints[P_CNT] = red_c[0]
-            if ints[PHASE] == 0:
+    ints[KEY_LO] = _key(-T.infinity("float32"), ints[GRAIN])  # every logit is >= -inf
+    ints[KEY_END] = _key(fs[F_MAX + side], ints[GRAIN]) + 1  # no logit is >= this key's value
+    if T.And(top_k > 0, top_k < n_vocab):
+        ints[KEY_HI] = ints[KEY_END]
+        for _ in T.serial(KEY_STEPS):
+            if ints[KEY_HI] - ints[KEY_LO] > 1:
+                ints[MID] = ints[KEY_LO] + (ints[KEY_HI] - ints[KEY_LO]) // 2
+                fs[F_CAND] = _key_value(ints[MID], ints[GRAIN])
+                _count_logits_pass(t_buf, t_row, d_buf, d_row, side, n_vocab, part, red_c, ints, fs)
+                if ints[P_CNT] >= top_k:
+                    ints[KEY_LO] = ints[MID]
+                else:
+                    ints[KEY_HI] = ints[MID]
+        ints[T_CAND] = _weight(_key_value(ints[KEY_LO], ints[GRAIN]), fs[F_MAX + side], scale)
+        _bracket_pass(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, ints[T_CAND], ws, part, ws2, part2, red_i,
+                      ints, fs)
+        ints[MASS + side] = ints[P_MASS]
+        ints[HI] = WEIGHT_END
+        if ints[P_CNT] >= top_k:
+            ints[LO] = ints[T_CAND]
+        if ints[N_ABOVE] < top_k:
+            ints[HI] = ints[T_CAND] + 1
+        for _ in T.serial(BISECT_STEPS):
+            if ints[HI] - ints[LO] > 1:
+                ints[MID] = ints[LO] + (ints[HI] - ints[LO]) // 2
+                _bracket_pass(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, ints[MID], ws, part, ws2, part2,
+                              red_i, ints, fs)
                 if ints[P_CNT] >= top_k:
                     ints[LO] = ints[MID]
                 else:
                     ints[HI] = ints[MID]
-            elif ints[PHASE] == 1:
-                ints[MASS + side] = ints[P_MASS]
-                ints[PHASE] = 4
-                if top_p < T.float32(1.0):
-                    ds[D_NEED] = T.Cast("float64", top_p) * T.Cast("float64", ints[P_MASS])
-                    ints[HI] = WEIGHT_END
-                    ints[PHASE] = 2
-            elif ints[PHASE] == 2:
+        if ints[LO] != ints[T_CAND]:
+            _mass_pass(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, ints[LO], ws, red_i, ints, fs)
+            ints[MASS + side] = ints[P_MASS]
+    else:
+        _mass_pass(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, ints[LO], ws, red_i, ints, fs)
+        ints[MASS + side] = ints[P_MASS]
+    if T.And(top_p < T.float32(1.0), ints[MASS + side] > 0):  # (mass 0: no finite logit, token -1 anyway)
+        ds[D_NEED] = T.Cast("float64", top_p) * T.Cast("float64", ints[MASS + side])
+        ints[T_K] = ints[LO]
+        ints[KEY_HI] = ints[KEY_END]
+        for _ in T.serial(KEY_STEPS):
+            if ints[KEY_HI] - ints[KEY_LO] > 1:
+                ints[MID] = ints[KEY_LO] + (ints[KEY_HI] - ints[KEY_LO]) // 2
+                ints[T_CAND] = T.max(_weight(_key_value(ints[MID], ints[GRAIN]), fs[F_MAX + side], scale), ints[T_K])
+                _mass_pass(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, ints[T_CAND], ws, red_i, ints, fs)
+                if T.Cast("float64", ints[P_MASS]) >= ds[D_NEED]:
+                    ints[KEY_LO] = ints[MID]
+                else:
+                    ints[KEY_HI] = ints[MID]
+        ints[T_CAND] = T.max(_weight(_key_value(ints[KEY_LO], ints[GRAIN]), fs[F_MAX + side], scale), ints[T_K])
+        _bracket_pass(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, ints[T_CAND], ws, part, ws2, part2, red_i,
+                      ints, fs)
+        ints[MASS + side] = ints[P_MASS]
+        ints[HI] = WEIGHT_END
+        if T.Cast("float64", ints[P_MASS]) >= ds[D_NEED]:
+            ints[LO] = ints[T_CAND]
+        if T.Cast("float64", ints[M_ABOVE]) < ds[D_NEED]:
+            ints[HI] = ints[T_CAND] + 1
+        for _ in T.serial(BISECT_STEPS):
+            if ints[HI] - ints[LO] > 1:
+                ints[MID] = ints[LO] + (ints[HI] - ints[LO]) // 2
+                _mass_pass(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, ints[MID], ws, red_i, ints, fs)
                 if T.Cast("float64", ints[P_MASS]) >= ds[D_NEED]:
                     ints[LO] = ints[MID]
                 else:
                     ints[HI] = ints[MID]
-            else:
-                ints[MASS + side] = ints[P_MASS]
-                ints[PHASE] = 4
+        if ints[LO] != ints[T_CAND]:
+            _mass_pass(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, ints[LO], ws, red_i, ints, fs)
+            ints[MASS + side] = ints[P_MASS]
     ints[KEEP_T + side] = ints[LO]
 
 
@@ -243,6 +340,7 @@ def _kept_weight_at(buf, row, x, n_vocab, row_max, scale, t):
 
 def _scratch():
     return (T.alloc_fragment((BLOCK_V,), "float32"), T.alloc_fragment((BLOCK_V,), "int64"),
+            T.alloc_fragment((BLOCK_V,), "int64"), T.alloc_fragment((BLOCK_V,), "int64"),
             T.alloc_fragment((BLOCK_V,), "int64"), T.alloc_fragment((1,), "float32"),
             T.alloc_fragment((1,), "int64"), T.alloc_fragment((1,), "int64"), T.alloc_local((N_INT,), "int64"),
             T.alloc_local((N_FLOAT,), "float32"), T.alloc_local((N_DOUBLE,), "float64"),
@@ -257,7 +355,7 @@ def greedy_kernel(dtype: str):
     @T.prim_func
     def fused_greedy(logits: T.Tensor((n_rows, n_vocab), dtype), out: T.Tensor((n_rows,), "int64")):
         with T.Kernel(n_rows, threads=THREADS) as b:
-            xs, ws, part, red_f, red_i, red_c, ints, fs, ds, rs = _scratch()
+            xs, ws, part, ws2, part2, red_f, red_i, red_c, ints, fs, ds, rs = _scratch()
             _row_argmax(logits, b, n_vocab, xs, ws, red_f, red_i, fs, ints)
             out[b] = ints[TOK]
 
@@ -275,13 +373,13 @@ def sample_kernel(dtype: str, draw: int):
                      top_ks: T.Tensor((n_rows,), "int64"), top_ps: T.Tensor((n_rows,), "float32"),
                      out: T.Tensor((n_rows,), "int64")):
         with T.Kernel(n_rows, threads=THREADS) as b:
-            xs, ws, part, red_f, red_i, red_c, ints, fs, ds, rs = _scratch()
+            xs, ws, part, ws2, part2, red_f, red_i, red_c, ints, fs, ds, rs = _scratch()
             if scales[b] > 0:
                 T.rng_init(seeds[b], positions[b], draw)
                 rs[0] = T.rng_rand()
-                _row_max(logits, b, logits, b, 0, n_vocab, xs, red_f, fs)
-                _thresholds(logits, b, logits, b, 0, n_vocab, scales[b], top_ks[b], top_ps[b], ws, part, red_i,
-                            red_c, ints, ds, fs)
+                _row_max(logits, b, logits, b, 0, n_vocab, xs, part, red_f, red_i, fs, ints)
+                _thresholds(logits, b, logits, b, 0, n_vocab, scales[b], top_ks[b], top_ps[b], ws, part, ws2, part2,
+                            red_i, red_c, ints, ds, fs)
                 ints[MODE] = 0
                 _pick(logits, b, logits, b, n_vocab, scales[b], rs[0], ws, part, red_i, ints, fs)
             else:
@@ -308,7 +406,7 @@ def rejection_kernel(dtype: str):
                         out_tokens: T.Tensor((n_rows, n_draft + 1), "int64"),
                         out_accepted: T.Tensor((n_rows,), "int64")):
         with T.Kernel(n_rows, threads=THREADS) as b:
-            xs, ws, part, red_f, red_i, red_c, ints, fs, ds, rs = _scratch()
+            xs, ws, part, ws2, part2, red_f, red_i, red_c, ints, fs, ds, rs = _scratch()
             ints[ACC] = -1  # -1: still accepting
             # Step j < n_draft verifies draft j; step n_draft draws the bonus token.
             for j in T.serial(n_draft + 1):
@@ -319,9 +417,10 @@ def rejection_kernel(dtype: str):
                     ints[D_ROW] = b * n_draft + T.min(j, n_draft - 1)
                     if scales[b] > 0:
                         for side in T.serial(T.if_then_else(j < n_draft, 2, 1)):
-                            _row_max(target, ints[T_ROW], draft, ints[D_ROW], side, n_vocab, xs, red_f, fs)
+                            _row_max(target, ints[T_ROW], draft, ints[D_ROW], side, n_vocab, xs, part, red_f, red_i,
+                                     fs, ints)
                             _thresholds(target, ints[T_ROW], draft, ints[D_ROW], side, n_vocab, scales[b], top_ks[b],
-                                        top_ps[b], ws, part, red_i, red_c, ints, ds, fs)
+                                        top_ps[b], ws, part, ws2, part2, red_i, red_c, ints, ds, fs)
                         ints[MODE] = 0
                         if j < n_draft:
                             ints[WX] = _kept_weight_at(target, ints[T_ROW], draft_tokens[b, j], n_vocab, fs[F_MAX],

@@ -9,9 +9,14 @@ products and IEEE divisions only, written so that no multiply-add can be contrac
 operations in the same order as the TileLang kernels (fused_sample_sm90) give the same tokens.
 Random draws: tl.philox(seed, draw // 4, 0, position lo, position hi), lane draw % 4; equal to
 cuRAND's curand_init(seed, position, draw) + curand() (what TileLang's T.rng_* wrap).
-Cost: top-k and top-p thresholds are found by bisection over the integer weight range (up to 33
-passes over the row each) instead of a sort: simple and order-independent, not fast for large V.
-A pass keeps per-lane sums and reduces them once (a reduction per block tripled its time).
+Cost: no sort. The weight is a non-decreasing function of the logit (exp2 is monotone: checked for
+ex2.approx on SM90 and numpy's exp2, docs/sampling.md), so each threshold is searched over the row's
+logit values, bisecting their ordered fp32 bit patterns (16 bits when every logit is a bf16 value,
+else 32): top-k with compare-only passes (no exp2), top-p with one weight pass per step. One pass
+over the row then checks that the weight of the logit found brackets the threshold exactly
+(count or mass at t and at t + 1); if it did not, a bisection over the integer weight range (33
+steps at most) finds it from the side that failed: tokens never depend on monotonicity. A pass
+keeps per-lane sums and reduces them once (a reduction per block tripled its time).
 """
 
 from __future__ import annotations
@@ -65,14 +70,34 @@ def _load(row, offs, V):
 
 
 @triton.jit
-def _row_max(row, V, BLOCK: tl.constexpr):
+def _row_max_and_grain(row, V, BLOCK: tl.constexpr):
+    """The row maximum and the key grain: 16 if every logit is a bf16 value (its fp32 bits end in 16
+    zeros), else 0."""
     offs = tl.arange(0, BLOCK)
-    m = _load(row, offs, V)
-    start = BLOCK
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    low = tl.zeros([BLOCK], tl.int32)
+    start = 0
     while start < V:
-        m = tl.maximum(m, _load(row, start + offs, V))
+        x = _load(row, start + offs, V)
+        m = tl.maximum(m, x)
+        low = low | (x.to(tl.int32, bitcast=True) & 0xFFFF)
         start += BLOCK
-    return tl.max(m, 0)
+    return tl.max(m, 0), tl.where(tl.max(low, 0) == 0, 16, 0).to(tl.int64)
+
+
+@triton.jit
+def _key(x, grain):
+    """Ordered key of fp32 scalar x: keys compare as the values do (-0 just below +0); >> grain."""
+    b = x.to(tl.int32, bitcast=True).to(tl.int64)
+    return tl.where(b >= 0, b + 2147483648, 2147483647 - (b & 0x7FFFFFFF)) >> grain
+
+
+@triton.jit
+def _key_value(k, grain):
+    """The fp32 value of key k (inverse of _key for values whose low `grain` bits are 0)."""
+    half = tl.full((), 1, tl.int64) << (31 - grain)  # keys >= half are the non-negative values
+    bits = tl.where(k >= half, (k - half) << grain, ((half - 1 - k) << grain) | 2147483648)
+    return bits.to(tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -118,28 +143,101 @@ def _mass_at_least(row, V, row_max, scale, t, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _kept_threshold(row, V, row_max, scale, top_k, top_p, BLOCK: tl.constexpr):
+def _count_logits_at_least(row, V, c, BLOCK: tl.constexpr):
+    # c > -inf: the -inf padding past V is never counted
+    offs = tl.arange(0, BLOCK)
+    n = tl.zeros([BLOCK], tl.int32)
+    start = 0
+    while start < V:
+        n += (_load(row, start + offs, V) >= c).to(tl.int32)
+        start += BLOCK
+    return tl.sum(n, 0)
+
+
+@triton.jit
+def _bracket_sums(row, V, row_max, scale, t, BLOCK: tl.constexpr):
+    """count(w >= t), count(w >= t + 1), mass(w >= t), mass(w >= t + 1) over the row's V entries."""
+    offs = tl.arange(0, BLOCK)
+    n0 = tl.zeros([BLOCK], tl.int32)
+    n1 = tl.zeros([BLOCK], tl.int32)
+    s0 = tl.zeros([BLOCK], tl.int64)
+    s1 = tl.zeros([BLOCK], tl.int64)
+    start = 0
+    while start < V:
+        w = _weight(_load(row, start + offs, V), row_max, scale)
+        at_t = (w >= t) & (start + offs < V)
+        above = w > t
+        n0 += at_t.to(tl.int32)
+        n1 += above.to(tl.int32)
+        s0 += tl.where(at_t, w, 0)
+        s1 += tl.where(above, w, 0)
+        start += BLOCK
+    return tl.sum(n0, 0), tl.sum(n1, 0), tl.sum(s0, 0), tl.sum(s1, 0)
+
+
+@triton.jit
+def _kept_threshold(row, V, row_max, grain, scale, top_k, top_p, BLOCK: tl.constexpr):
     """(t, kept mass): tokens with weight >= t survive top-k then top-p."""
     lo = tl.full((), 0, tl.int64)
-    if (top_k > 0) & (top_k < V):  # largest t with count(w >= t) >= k: the k-th largest weight
+    key_lo = _key(tl.full((), float("-inf"), tl.float32), grain)  # every logit is >= -inf
+    key_end = _key(row_max, grain) + 1  # no logit is >= this key's value
+    if (top_k > 0) & (top_k < V):
+        # the k-th largest logit (count(x >= c) >= k): compare-only passes
+        key_hi = key_end
+        while key_hi - key_lo > 1:
+            mid = key_lo + (key_hi - key_lo) // 2
+            if _count_logits_at_least(row, V, _key_value(mid, grain), BLOCK) >= top_k:
+                key_lo = mid
+            else:
+                key_hi = mid
+        # t_k = the largest t with count(w >= t) >= k: its weight, if the bracket [t, t + 1) holds
+        t = _weight(_key_value(key_lo, grain), row_max, scale)
+        n_t, n_above, mass, _ = _bracket_sums(row, V, row_max, scale, t, BLOCK)
         hi = tl.full((), WEIGHT_END, tl.int64)
+        if n_t >= top_k:
+            lo = t
+        if n_above < top_k:
+            hi = t + 1
         while hi - lo > 1:
             mid = lo + (hi - lo) // 2
             if _count_at_least(row, V, row_max, scale, mid, BLOCK) >= top_k:
                 lo = mid
             else:
                 hi = mid
-    mass = _mass_at_least(row, V, row_max, scale, lo, BLOCK)
-    if top_p < 1.0:  # largest t with mass(w >= t) >= p * (top-k mass)
+        if lo != t:
+            mass = _mass_at_least(row, V, row_max, scale, lo, BLOCK)
+    else:
+        mass = _mass_at_least(row, V, row_max, scale, lo, BLOCK)
+    if (top_p < 1.0) & (mass > 0):  # (mass 0: no finite logit, token -1 whatever t is)
+        # t* = the largest t >= t_k with mass(w >= t) >= p * (top-k mass), searched over logits
+        # from the k-th largest one up: mass(w >= max(w(c), t_k)) >= need
         need = top_p.to(tl.float64) * mass.to(tl.float64)
+        t_k = lo
+        key_hi = key_end
+        while key_hi - key_lo > 1:
+            mid = key_lo + (key_hi - key_lo) // 2
+            t_mid = tl.maximum(_weight(_key_value(mid, grain), row_max, scale), t_k)
+            if _mass_at_least(row, V, row_max, scale, t_mid, BLOCK).to(tl.float64) >= need:
+                key_lo = mid
+            else:
+                key_hi = mid
+        t = tl.maximum(_weight(_key_value(key_lo, grain), row_max, scale), t_k)
+        _, _, mass_t, mass_above = _bracket_sums(row, V, row_max, scale, t, BLOCK)
         hi = tl.full((), WEIGHT_END, tl.int64)
+        if mass_t.to(tl.float64) >= need:
+            lo = t
+        if mass_above.to(tl.float64) < need:
+            hi = t + 1
         while hi - lo > 1:
             mid = lo + (hi - lo) // 2
             if _mass_at_least(row, V, row_max, scale, mid, BLOCK).to(tl.float64) >= need:
                 lo = mid
             else:
                 hi = mid
-        mass = _mass_at_least(row, V, row_max, scale, lo, BLOCK)
+        if lo == t:
+            mass = mass_t
+        else:
+            mass = _mass_at_least(row, V, row_max, scale, lo, BLOCK)
     return lo, mass
 
 
@@ -172,8 +270,8 @@ def _pick_kept(row, V, row_max, scale, t, mass, r, BLOCK: tl.constexpr):
 @triton.jit
 def _sample_row(row, V, scale, top_k, top_p, r, BLOCK: tl.constexpr):
     if scale > 0:
-        row_max = _row_max(row, V, BLOCK)
-        t, mass = _kept_threshold(row, V, row_max, scale, top_k, top_p, BLOCK)
+        row_max, grain = _row_max_and_grain(row, V, BLOCK)
+        t, mass = _kept_threshold(row, V, row_max, grain, scale, top_k, top_p, BLOCK)
         token = _pick_kept(row, V, row_max, scale, t, mass, r, BLOCK)
     else:
         token = _row_argmax(row, V, BLOCK)
@@ -259,10 +357,10 @@ def _rejection_kernel(target_logits, t_stride_b, t_stride_s, draft_logits, d_str
         x = tl.load(draft_tokens + b * dt_stride_b + j).to(tl.int64)
         if scale > 0:
             d_row = draft_logits + b * d_stride_b + j * d_stride_s
-            t_max = _row_max(t_row, V, BLOCK)
-            t_t, t_mass = _kept_threshold(t_row, V, t_max, scale, top_k, top_p, BLOCK)
-            d_max = _row_max(d_row, V, BLOCK)
-            d_t, d_mass = _kept_threshold(d_row, V, d_max, scale, top_k, top_p, BLOCK)
+            t_max, t_grain = _row_max_and_grain(t_row, V, BLOCK)
+            t_t, t_mass = _kept_threshold(t_row, V, t_max, t_grain, scale, top_k, top_p, BLOCK)
+            d_max, d_grain = _row_max_and_grain(d_row, V, BLOCK)
+            d_t, d_mass = _kept_threshold(d_row, V, d_max, d_grain, scale, top_k, top_p, BLOCK)
             wt_x = _kept_weight_at(t_row, x, V, t_max, scale, t_t)
             wd_x = _kept_weight_at(d_row, x, V, d_max, scale, d_t)
             # accept iff u < p_t(x) / p_d(x), u = r / 2^32, cross-multiplied: products only.

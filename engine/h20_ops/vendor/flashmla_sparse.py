@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.h20_ops import cuda_capability, dependent_launch
+from engine.h20_ops import cuda_capability, dependent_launch, require_interpretable_numpy
 from engine.h20_ops.checks import check_sparse_mla_args
 from engine.h20_ops.vendor import flashmla_sparse_sm90
 
@@ -153,16 +153,6 @@ def _sparse_mla_fwd_kernel(
     tl.store(lse_ptr + query * stride_lse_s + heads, lse_log2 * 0.6931471805599453)
 
 
-def _require_interpretable_numpy() -> None:
-    # Triton 3.6's interpreter turns a runtime loop bound into int(1-element array), which
-    # numpy >= 2.4 rejects (TypeError deep inside the interpreter); say so up front.
-    import numpy
-
-    if numpy.lib.NumpyVersion(numpy.__version__) >= "2.4.0":
-        raise RuntimeError(f"TRITON_INTERPRET=1 needs numpy < 2.4 for this kernel's runtime-bounded loop "
-                           f"(triton 3.6 interpreter), found numpy {numpy.__version__}")
-
-
 @dataclass(frozen=True)
 class KernelConfig:
     block_k: int  # top-k entries per block (kv rows gathered together)
@@ -202,7 +192,7 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     if not (q.is_cuda or _INTERPRET):
         raise ValueError(f"q: expected a CUDA tensor (or TRITON_INTERPRET=1), got device {q.device}")
     if _INTERPRET:
-        _require_interpretable_numpy()
+        require_interpretable_numpy("flash_mla_sparse_fwd")
     s_q, h_q = shape.s_q, shape.h_q
     out = torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device)
     max_logits = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
