@@ -10,10 +10,11 @@ the same tokens as engine.h20_ops.fused_sample_triton, operation for operation:
 - numerics: logits read as fp32; weights int64 = trunc(exp2((x - max) * scale) * 2^32) with exp2
   as ex2.approx.ftz.f32 (fast math, as Triton's tl.exp2); masses are exact int64 sums (reduction
   order is free); acceptance and residual use fp64 products and IEEE divisions in Triton's order.
-- thresholds as fused_sample_triton finds them: bisection over the row's ordered logit bit patterns
-  (16 bits when every logit is a bf16 value, else 32; top-k with compare-only passes, top-p with a
-  weight pass per step), one pass checking that the weight found brackets the threshold exactly, a
-  bisection over the weight range (33 steps at most) from the side that failed otherwise; a pass
+- thresholds as fused_sample_triton finds them: top-k by bisection over the row's ordered logit bit
+  patterns (16 bits when every logit is a bf16 value, else 32; compare-only passes), top-p likewise
+  with 16-bit keys (a weight pass per step), each checked by one pass that the weight found brackets
+  the threshold exactly; bisection over the weight range (33 steps at most) from the side that
+  failed, or for top-p with 32-bit keys from the start; a pass
   keeps per-thread sums and reduces them once. The sampled index by a chunk scan then a bisection
   inside the chunk (no scan primitive needed).
 Constraints: logits rows contiguous (the wrapper copies otherwise); V < 2^31.
@@ -240,25 +241,28 @@ def _thresholds(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, top_k, top_p, 
     if T.And(top_p < T.float32(1.0), ints[MASS + side] > 0):  # (mass 0: no finite logit, token -1 anyway)
         ds[D_NEED] = T.Cast("float64", top_p) * T.Cast("float64", ints[MASS + side])
         ints[T_K] = ints[LO]
-        ints[KEY_HI] = ints[KEY_END]
-        for _ in T.serial(KEY_STEPS):
-            if ints[KEY_HI] - ints[KEY_LO] > 1:
-                ints[MID] = ints[KEY_LO] + (ints[KEY_HI] - ints[KEY_LO]) // 2
-                ints[T_CAND] = T.max(_weight(_key_value(ints[MID], ints[GRAIN]), fs[F_MAX + side], scale), ints[T_K])
-                _mass_pass(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, ints[T_CAND], ws, red_i, ints, fs)
-                if T.Cast("float64", ints[P_MASS]) >= ds[D_NEED]:
-                    ints[KEY_LO] = ints[MID]
-                else:
-                    ints[KEY_HI] = ints[MID]
-        ints[T_CAND] = T.max(_weight(_key_value(ints[KEY_LO], ints[GRAIN]), fs[F_MAX + side], scale), ints[T_K])
-        _bracket_pass(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, ints[T_CAND], ws, part, ws2, part2, red_i,
-                      ints, fs)
-        ints[MASS + side] = ints[P_MASS]
         ints[HI] = WEIGHT_END
-        if T.Cast("float64", ints[P_MASS]) >= ds[D_NEED]:
-            ints[LO] = ints[T_CAND]
-        if T.Cast("float64", ints[M_ABOVE]) < ds[D_NEED]:
-            ints[HI] = ints[T_CAND] + 1
+        ints[T_CAND] = -1  # no candidate: bisect the whole weight range
+        if ints[GRAIN] > 0:  # 16-bit keys: up to 16 mass passes over the logits instead of 33 over the weights
+            ints[KEY_HI] = ints[KEY_END]
+            for _ in T.serial(KEY_STEPS):
+                if ints[KEY_HI] - ints[KEY_LO] > 1:
+                    ints[MID] = ints[KEY_LO] + (ints[KEY_HI] - ints[KEY_LO]) // 2
+                    ints[T_CAND] = T.max(_weight(_key_value(ints[MID], ints[GRAIN]), fs[F_MAX + side], scale),
+                                         ints[T_K])
+                    _mass_pass(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, ints[T_CAND], ws, red_i, ints, fs)
+                    if T.Cast("float64", ints[P_MASS]) >= ds[D_NEED]:
+                        ints[KEY_LO] = ints[MID]
+                    else:
+                        ints[KEY_HI] = ints[MID]
+            ints[T_CAND] = T.max(_weight(_key_value(ints[KEY_LO], ints[GRAIN]), fs[F_MAX + side], scale), ints[T_K])
+            _bracket_pass(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, ints[T_CAND], ws, part, ws2, part2,
+                          red_i, ints, fs)
+            ints[MASS + side] = ints[P_MASS]
+            if T.Cast("float64", ints[P_MASS]) >= ds[D_NEED]:
+                ints[LO] = ints[T_CAND]
+            if T.Cast("float64", ints[M_ABOVE]) < ds[D_NEED]:
+                ints[HI] = ints[T_CAND] + 1
         for _ in T.serial(BISECT_STEPS):
             if ints[HI] - ints[LO] > 1:
                 ints[MID] = ints[LO] + (ints[HI] - ints[LO]) // 2

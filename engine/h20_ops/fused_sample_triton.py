@@ -10,12 +10,13 @@ operations in the same order as the TileLang kernels (fused_sample_sm90) give th
 Random draws: tl.philox(seed, draw // 4, 0, position lo, position hi), lane draw % 4; equal to
 cuRAND's curand_init(seed, position, draw) + curand() (what TileLang's T.rng_* wrap).
 Cost: no sort. The weight is a non-decreasing function of the logit (exp2 is monotone: checked for
-ex2.approx on SM90 and numpy's exp2, docs/sampling.md), so each threshold is searched over the row's
-logit values, bisecting their ordered fp32 bit patterns (16 bits when every logit is a bf16 value,
-else 32): top-k with compare-only passes (no exp2), top-p with one weight pass per step. One pass
-over the row then checks that the weight of the logit found brackets the threshold exactly
-(count or mass at t and at t + 1); if it did not, a bisection over the integer weight range (33
-steps at most) finds it from the side that failed: tokens never depend on monotonicity. A pass
+ex2.approx on SM90 and numpy's exp2, docs/sampling.md), so the top-k threshold is searched over the
+row's logit values, bisecting their ordered fp32 bit patterns (16 bits when every logit is a bf16
+value, else 32) with compare-only passes (no exp2), and so is the top-p threshold when the keys
+are 16-bit (a weight pass per step; with 32-bit keys bisecting the weight range is as short). One
+pass over the row then checks that the weight of the logit found brackets the threshold exactly
+(count or mass at t and at t + 1); where it does not, a bisection over the integer weight range
+(33 steps at most) finds it from the side that failed: tokens never depend on monotonicity. A pass
 keeps per-lane sums and reduces them once (a reduction per block tripled its time).
 """
 
@@ -209,25 +210,28 @@ def _kept_threshold(row, V, row_max, grain, scale, top_k, top_p, BLOCK: tl.const
     else:
         mass = _mass_at_least(row, V, row_max, scale, lo, BLOCK)
     if (top_p < 1.0) & (mass > 0):  # (mass 0: no finite logit, token -1 whatever t is)
-        # t* = the largest t >= t_k with mass(w >= t) >= p * (top-k mass), searched over logits
-        # from the k-th largest one up: mass(w >= max(w(c), t_k)) >= need
+        # t* = the largest t >= t_k with mass(w >= t) >= p * (top-k mass)
         need = top_p.to(tl.float64) * mass.to(tl.float64)
         t_k = lo
-        key_hi = key_end
-        while key_hi - key_lo > 1:
-            mid = key_lo + (key_hi - key_lo) // 2
-            t_mid = tl.maximum(_weight(_key_value(mid, grain), row_max, scale), t_k)
-            if _mass_at_least(row, V, row_max, scale, t_mid, BLOCK).to(tl.float64) >= need:
-                key_lo = mid
-            else:
-                key_hi = mid
-        t = tl.maximum(_weight(_key_value(key_lo, grain), row_max, scale), t_k)
-        _, _, mass_t, mass_above = _bracket_sums(row, V, row_max, scale, t, BLOCK)
         hi = tl.full((), WEIGHT_END, tl.int64)
-        if mass_t.to(tl.float64) >= need:
-            lo = t
-        if mass_above.to(tl.float64) < need:
-            hi = t + 1
+        t = tl.full((), -1, tl.int64)  # no candidate: bisect the whole weight range
+        mass_t = mass
+        if grain > 0:  # 16-bit keys: up to 16 mass passes over the logits instead of 33 over the weights,
+            # from the k-th largest logit up: mass(w >= max(w(c), t_k)) >= need
+            key_hi = key_end
+            while key_hi - key_lo > 1:
+                mid = key_lo + (key_hi - key_lo) // 2
+                t_mid = tl.maximum(_weight(_key_value(mid, grain), row_max, scale), t_k)
+                if _mass_at_least(row, V, row_max, scale, t_mid, BLOCK).to(tl.float64) >= need:
+                    key_lo = mid
+                else:
+                    key_hi = mid
+            t = tl.maximum(_weight(_key_value(key_lo, grain), row_max, scale), t_k)
+            _, _, mass_t, mass_above = _bracket_sums(row, V, row_max, scale, t, BLOCK)
+            if mass_t.to(tl.float64) >= need:
+                lo = t
+            if mass_above.to(tl.float64) < need:
+                hi = t + 1
         while hi - lo > 1:
             mid = lo + (hi - lo) // 2
             if _mass_at_least(row, V, row_max, scale, mid, BLOCK).to(tl.float64) >= need:
