@@ -12,9 +12,9 @@ the same tokens as engine.h20_ops.fused_sample_triton, operation for operation:
   order is free); acceptance and residual use fp64 products and IEEE divisions in Triton's order.
 - thresholds as fused_sample_triton finds them: top-k by bisection over the row's ordered logit bit
   patterns (16 bits when every logit is a bf16 value, else 32; compare-only passes), top-p likewise
-  with 16-bit keys (a weight pass per step), each checked by one pass that the weight found brackets
-  the threshold exactly; bisection over the weight range (33 steps at most) from the side that
-  failed, or for top-p with 32-bit keys from the start; a pass
+  when the keys span at most 2^30 (a weight pass per step), each checked by one pass that the
+  weight found brackets the threshold exactly; bisection over the weight range (33 steps at most)
+  from the side that failed, or for top-p over a wider key span from the start; a pass
   keeps per-thread sums and reduces them once. The sampled index by a chunk scan then a bisection
   inside the chunk (no scan primitive needed).
 Constraints: logits rows contiguous (the wrapper copies otherwise); V < 2^31.
@@ -42,6 +42,7 @@ BLOCK_V = 1024
 LOG2_BLOCK_V = 10
 BISECT_STEPS = 33  # the weight range [0, 2^32] has 2^32 + 1 values
 KEY_STEPS = 32  # ordered fp32 keys (fewer run when the grain is 16)
+KEY_SPAN_SEARCHED = 1 << 30  # top-p searches logit keys up to this span (fused_sample_triton says why)
 WEIGHT_END = 4294967297
 PASS_CONFIGS = {
     "tl.enable_fast_math": True,  # exp2f -> ex2.approx.ftz.f32, as Triton's tl.exp2
@@ -243,7 +244,7 @@ def _thresholds(t_buf, t_row, d_buf, d_row, side, n_vocab, scale, top_k, top_p, 
         ints[T_K] = ints[LO]
         ints[HI] = WEIGHT_END
         ints[T_CAND] = -1  # no candidate: bisect the whole weight range
-        if ints[GRAIN] > 0:  # 16-bit keys: up to 16 mass passes over the logits instead of 33 over the weights
+        if ints[KEY_END] - ints[KEY_LO] <= KEY_SPAN_SEARCHED:  # (as fused_sample_triton)
             ints[KEY_HI] = ints[KEY_END]
             for _ in T.serial(KEY_STEPS):
                 if ints[KEY_HI] - ints[KEY_LO] > 1:

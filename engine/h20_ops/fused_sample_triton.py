@@ -12,8 +12,8 @@ cuRAND's curand_init(seed, position, draw) + curand() (what TileLang's T.rng_* w
 Cost: no sort. The weight is a non-decreasing function of the logit (exp2 is monotone: checked for
 ex2.approx on SM90 and numpy's exp2, docs/sampling.md), so the top-k threshold is searched over the
 row's logit values, bisecting their ordered fp32 bit patterns (16 bits when every logit is a bf16
-value, else 32) with compare-only passes (no exp2), and so is the top-p threshold when the keys
-are 16-bit (a weight pass per step; with 32-bit keys bisecting the weight range is as short). One
+value, else 32) with compare-only passes (no exp2), and so is the top-p threshold (a weight pass
+per step) when the keys to search span at most 2^30 (always with bf16 values). One
 pass over the row then checks that the weight of the logit found brackets the threshold exactly
 (count or mass at t and at t + 1); where it does not, a bisection over the integer weight range
 (33 steps at most) finds it from the side that failed: tokens never depend on monotonicity. A pass
@@ -36,6 +36,10 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_V = 64 if _INTERPRETED else 1024
 NUM_WARPS = 16  # one program per row; its passes run 1.4x faster than with 8 warps (docs/sampling.md)
 WEIGHT_END = tl.constexpr(4294967297)  # 2^32 + 1: one past the largest weight
+# top-p searches logit keys when they span at most 2^30 (<= 30 steps and the bracket pass against the
+# weight range's 33 steps and a mass pass; always with bf16 values); a wider span (32-bit keys from
+# -inf, or across 0) measured no faster than bisecting the weights (docs/sampling.md)
+KEY_SPAN_SEARCHED = tl.constexpr(1 << 30)
 DRAW_SAMPLE = tl.constexpr(fused_sample_ref.DRAW_SAMPLE)
 DRAW_ACCEPT = tl.constexpr(fused_sample_ref.DRAW_ACCEPT)
 
@@ -216,8 +220,8 @@ def _kept_threshold(row, V, row_max, grain, scale, top_k, top_p, BLOCK: tl.const
         hi = tl.full((), WEIGHT_END, tl.int64)
         t = tl.full((), -1, tl.int64)  # no candidate: bisect the whole weight range
         mass_t = mass
-        if grain > 0:  # 16-bit keys: up to 16 mass passes over the logits instead of 33 over the weights,
-            # from the k-th largest logit up: mass(w >= max(w(c), t_k)) >= need
+        if key_end - key_lo <= KEY_SPAN_SEARCHED:
+            # over the logits from the k-th largest one up: mass(w >= max(w(c), t_k)) >= need
             key_hi = key_end
             while key_hi - key_lo > 1:
                 mid = key_lo + (key_hi - key_lo) // 2
