@@ -128,7 +128,8 @@ def main() -> int:
 
             for k in (1, 3):
                 target = logits(n_req, k + 1, v).to(dev)
-                draft = (target[:, :k].float().cpu() + torch.randn(n_req, k, v, generator=g)).to(values).to(dtype).to(dev)
+                draft = target[:, :k].float().cpu() + torch.randn(n_req, k, v, generator=g)
+                draft = draft.to(values).to(dtype).to(dev)
                 draft_tokens = torch.stack([fs.sample(draft[:, j].contiguous(), p[0], p[1] + j, *p[2:], draw=DRAW_DRAFT,
                                                       backend="triton") for j in range(k)], 1)
                 ta, aa = fs.rejection_sample(target, draft, draft_tokens, *p, backend="triton")
