@@ -123,19 +123,6 @@ def _row_argmax(row, V, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _count_at_least(row, V, row_max, scale, t, BLOCK: tl.constexpr):
-    # Per-lane sums across blocks, one block reduction per pass (exact int64 sums: any order).
-    offs = tl.arange(0, BLOCK)
-    n = tl.zeros([BLOCK], tl.int64)
-    start = 0
-    while start < V:
-        w = _weight(_load(row, start + offs, V), row_max, scale)
-        n += (w >= t).to(tl.int64)
-        start += BLOCK
-    return tl.sum(n, 0)
-
-
-@triton.jit
 def _mass_at_least(row, V, row_max, scale, t, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     s = tl.zeros([BLOCK], tl.int64)
@@ -205,7 +192,8 @@ def _kept_threshold(row, V, row_max, grain, scale, top_k, top_p, BLOCK: tl.const
             hi = t + 1
         while hi - lo > 1:
             mid = lo + (hi - lo) // 2
-            if _count_at_least(row, V, row_max, scale, mid, BLOCK) >= top_k:
+            n_mid, _, _, _ = _bracket_sums(row, V, row_max, scale, mid, BLOCK)
+            if n_mid >= top_k:
                 lo = mid
             else:
                 hi = mid
