@@ -36,9 +36,9 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_V = 64 if _INTERPRETED else 1024
 NUM_WARPS = 16  # one program per row; its passes run 1.4x faster than with 8 warps (docs/sampling.md)
 WEIGHT_END = tl.constexpr(4294967297)  # 2^32 + 1: one past the largest weight
-# top-p searches logit keys when they span at most 2^30 (<= 30 steps and the bracket pass against the
-# weight range's 33 steps and a mass pass; always with bf16 values); a wider span (32-bit keys from
-# -inf, or across 0) measured no faster than bisecting the weights (docs/sampling.md)
+# top-p searches logit keys when they span at most 2^30 (always so with bf16 values): <= 30 mass passes
+# and a bracket pass against the weight range's 33 and a final mass pass; a wider span (32-bit keys from
+# -inf, or across 0) was measured no faster than bisecting the weights (docs/sampling.md)
 KEY_SPAN_SEARCHED = tl.constexpr(1 << 30)
 DRAW_SAMPLE = tl.constexpr(fused_sample_ref.DRAW_SAMPLE)
 DRAW_ACCEPT = tl.constexpr(fused_sample_ref.DRAW_ACCEPT)
