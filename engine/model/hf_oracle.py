@@ -1,8 +1,9 @@
-"""The end-to-end oracle: transformers' eager DeepseekV4ForCausalLM, greedy, one prompt at a time.
+"""The end-to-end oracle: transformers' eager DeepseekV4ForCausalLM, greedy (or teacher-forced along
+given tokens), one prompt at a time.
 
 Each prompt runs alone (batch 1) through the model's own cache (DynamicCache with DeepSeek-V4's
-sliding-window + compressor layers), one forward per generated token, argmax of the last logits.
-Exactly `max_new_tokens` tokens are produced; EOS does not stop generation (the engine does the
+sliding-window + compressor layers), one forward per generated token; greedy feeds the argmax of
+the last logits. Exactly `max_new_tokens` tokens are produced; EOS does not stop generation (the engine does the
 same), so token lists always have the same length.
 """
 
@@ -18,29 +19,55 @@ def load_hf_model(checkpoint_dir, *, dtype: torch.dtype, device):
     return model.to(device).eval()
 
 
+def _decode(model, prompt: list[int], steps: int, choose, device) -> tuple[list[int], torch.Tensor]:
+    """The prompt, then `steps` forwards through the model's own cache, each feeding the token
+    choose(step, logits) picked from the previous one's last logits: (tokens, logits [steps, vocab])."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    step_input = torch.tensor([prompt], dtype=torch.long, device=device)
+    tokens: list[int] = []
+    logits_per_step = []
+    for step in range(steps):
+        out = model(input_ids=step_input, past_key_values=cache, use_cache=True)
+        logits = out.logits[0, -1].float()
+        token = choose(step, logits)
+        tokens.append(token)
+        logits_per_step.append(logits.cpu())
+        step_input = torch.tensor([[token]], dtype=torch.long, device=device)
+    return tokens, torch.stack(logits_per_step)
+
+
+def _check_prompts(prompts: list[list[int]]) -> None:
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompts[{i}]: expected at least one token")
+
+
 @torch.no_grad()
 def hf_greedy(checkpoint_dir, prompts: list[list[int]], max_new_tokens: int, *, dtype=torch.float32,
               device="cpu") -> list[tuple[list[int], torch.Tensor]]:
     """For each prompt: (greedy tokens, per-step logits [max_new_tokens, vocab] fp32)."""
-    from transformers import DynamicCache
-
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+    _check_prompts(prompts)
     model = load_hf_model(checkpoint_dir, dtype=dtype, device=device)
-    results = []
-    for i, prompt in enumerate(prompts):
-        if len(prompt) == 0:
-            raise ValueError(f"prompts[{i}]: expected at least one token")
-        cache = DynamicCache(config=model.config)
-        step_input = torch.tensor([prompt], dtype=torch.long, device=device)
-        tokens: list[int] = []
-        logits_per_step = []
-        for _ in range(max_new_tokens):
-            out = model(input_ids=step_input, past_key_values=cache, use_cache=True)
-            logits = out.logits[0, -1].float()
-            next_token = int(torch.argmax(logits))
-            tokens.append(next_token)
-            logits_per_step.append(logits.cpu())
-            step_input = torch.tensor([[next_token]], dtype=torch.long, device=device)
-        results.append((tokens, torch.stack(logits_per_step)))
-    return results
+    return [_decode(model, prompt, max_new_tokens, lambda step, logits: int(torch.argmax(logits)), device)
+            for prompt in prompts]
+
+
+@torch.no_grad()
+def hf_teacher_forced(checkpoint_dir, prompts: list[list[int]], continuations: list[list[int]], *,
+                      dtype=torch.float32, device="cpu") -> list[torch.Tensor]:
+    """For each prompt: the per-step logits [len(continuation), vocab] fp32 when the model is fed the
+    given continuation instead of its own argmax (logits of step j: those continuation[j] follows),
+    so that a run whose tokens may differ from greedy ones can be compared step by step."""
+    if len(continuations) != len(prompts):
+        raise ValueError(f"continuations: expected one per prompt ({len(prompts)}), got {len(continuations)}")
+    _check_prompts(prompts)
+    for i, continuation in enumerate(continuations):
+        if len(continuation) == 0:
+            raise ValueError(f"continuations[{i}]: expected at least one token")
+    model = load_hf_model(checkpoint_dir, dtype=dtype, device=device)
+    return [_decode(model, prompt, len(continuation), lambda step, logits, c=continuation: int(c[step]), device)[1]
+            for prompt, continuation in zip(prompts, continuations)]
