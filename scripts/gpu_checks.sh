@@ -3,8 +3,8 @@
 # benchmarks and the end-to-end report. Each step has its own time limit and log; a summary of exit
 # codes ends the output, and the script exits nonzero if any step failed.
 #   bash scripts/gpu_checks.sh LOGDIR STEP [STEP...]
-# steps: compile tests tests-no-tilelang engine memcheck ab bench sweep decode gather e2e e2e-fp8 e2e-fp32
-#        e2e-nextn e2e-sampled sample
+# steps: compile tests tests-no-tilelang engine memcheck ab bench sweep decode gather e2e e2e-rank-per-gpu
+#        e2e-fp8 e2e-fp32 e2e-nextn e2e-sampled sample
 # A TileLang bundle at .tilelang_bundle/*.tar.xz (scripts/tilelang_bundle.sh) is installed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,6 +63,9 @@ for s in "$@"; do
         decode) step bench_decode 300 python3 scripts/bench_decode.py --batches 1,8,16,32,64,128 ;;
         gather) step row_gather 120 bash -c "nvcc -arch=sm_90a -O3 -o /tmp/bench_row_gather scripts/bench_row_gather.cu && /tmp/bench_row_gather" ;;
         e2e) step e2e 400 bash scripts/h20_e2e_report.sh --compare --json "$logdir/e2e.json" ;;
+        # one rank per GPU of this machine: the NCCL group (e2e's 8 ranks are that on 8 GPUs only)
+        e2e-rank-per-gpu) step e2e_rank_per_gpu 400 bash scripts/h20_e2e_report.sh --compare \
+                --ranks "$(python3 -c 'import torch; print(torch.cuda.device_count())')" --json "$logdir/e2e_rank_per_gpu.json" ;;
         e2e-fp8) step e2e_fp8 400 bash scripts/h20_e2e_report.sh --compare --kv-cache fp8 --json "$logdir/e2e_fp8.json" ;;
         # float32: the TileLang sparse MLA kernels are bf16-only, so attention is pinned to Triton and the
         # two runs differ in the sampler's backend only (the comparison is then required)
