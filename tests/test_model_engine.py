@@ -212,6 +212,20 @@ def test_hf_teacher_forced_along_greedy_tokens_is_greedy(checkpoint, prompts, or
         hf_teacher_forced(checkpoint, [prompts["short"][0]], [])
 
 
+def test_oracle_in_bf16_names_the_transformers_it_needs(checkpoint, monkeypatch):
+    """transformers 5.17-5.19 cannot run DeepSeek-V4's forward in bf16: the oracle says so before
+    loading, naming dtype, the installed and the needed release (float32 stays allowed)."""
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.19.0")
+    for oracle_call in (lambda dtype: hf_greedy(checkpoint, [[1, 2]], 1, dtype=dtype),
+                        lambda dtype: hf_teacher_forced(checkpoint, [[1, 2]], [[3]], dtype=dtype)):
+        with pytest.raises(RuntimeError, match=r"dtype: the oracle in torch.bfloat16 needs transformers >= "
+                                               r"5.20.0 \(installed: 5.19.0"):
+            oracle_call(torch.bfloat16)
+        assert oracle_call(torch.float32) is not None
+
+
 def _fp8_round_trip(x):
     """x [..., 512] -> what a MODEL1 fp8 cache returns for it (kv_quant's torch reference)."""
     rows = x.reshape(-1, x.size(-1))

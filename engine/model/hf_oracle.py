@@ -19,6 +19,25 @@ def load_hf_model(checkpoint_dir, *, dtype: torch.dtype, device):
     return model.to(device).eval()
 
 
+# transformers 5.17-5.19 return float32 from DeepSeek-V4's weighted RMSNorm, so their model's forward
+# in bf16 / fp16 stops in the next Linear ("expected m1 and m2 to have the same dtype"); 5.20.0 is the
+# first that runs (checked on 5.17.0, 5.18.0, 5.19.0, 5.20.0, 5.21.0, 5.21.1). The engine does not
+# run that norm and takes any supported release.
+HALF_PRECISION_TRANSFORMERS = "5.20.0"
+
+
+def _load_oracle_model(checkpoint_dir, dtype: torch.dtype, device):
+    import transformers
+    from packaging.version import Version
+
+    if dtype != torch.float32 and Version(transformers.__version__) < Version(HALF_PRECISION_TRANSFORMERS):
+        raise RuntimeError(
+            f"dtype: the oracle in {dtype} needs transformers >= {HALF_PRECISION_TRANSFORMERS} (installed: "
+            f"{transformers.__version__}, whose DeepSeek-V4 RMSNorm returns float32); install "
+            f"'transformers>={HALF_PRECISION_TRANSFORMERS},<5.22' or use torch.float32")
+    return load_hf_model(checkpoint_dir, dtype=dtype, device=device)
+
+
 def _decode(model, prompt: list[int], steps: int, choose, device) -> tuple[list[int], torch.Tensor]:
     """The prompt, then `steps` forwards through the model's own cache, each feeding the token
     choose(step, logits) picked from the previous one's last logits: (tokens, logits [steps, vocab])."""
@@ -51,7 +70,7 @@ def hf_greedy(checkpoint_dir, prompts: list[list[int]], max_new_tokens: int, *, 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     _check_prompts(prompts)
-    model = load_hf_model(checkpoint_dir, dtype=dtype, device=device)
+    model = _load_oracle_model(checkpoint_dir, dtype, device)
     return [_decode(model, prompt, max_new_tokens, lambda step, logits: int(torch.argmax(logits)), device)
             for prompt in prompts]
 
@@ -68,6 +87,6 @@ def hf_teacher_forced(checkpoint_dir, prompts: list[list[int]], continuations: l
     for i, continuation in enumerate(continuations):
         if len(continuation) == 0:
             raise ValueError(f"continuations[{i}]: expected at least one token")
-    model = load_hf_model(checkpoint_dir, dtype=dtype, device=device)
+    model = _load_oracle_model(checkpoint_dir, dtype, device)
     return [_decode(model, prompt, len(continuation), lambda step, logits, c=continuation: int(c[step]), device)[1]
             for prompt, continuation in zip(prompts, continuations)]
