@@ -65,7 +65,8 @@ for s in "$@"; do
         e2e) step e2e 400 bash scripts/h20_e2e_report.sh --compare --json "$logdir/e2e.json" ;;
         # one rank per GPU of this machine: the NCCL group (e2e's 8 ranks are that on 8 GPUs only)
         e2e-rank-per-gpu) step e2e_rank_per_gpu 400 bash scripts/h20_e2e_report.sh --compare \
-                --ranks "$(python3 -c 'import torch; print(torch.cuda.device_count())')" --json "$logdir/e2e_rank_per_gpu.json" ;;
+                --ranks "$(python3 -c 'import torch; print(torch.cuda.device_count())')" \
+                --json "$logdir/e2e_rank_per_gpu.json" ;;
         e2e-fp8) step e2e_fp8 400 bash scripts/h20_e2e_report.sh --compare --kv-cache fp8 --json "$logdir/e2e_fp8.json" ;;
         # float32: the TileLang sparse MLA kernels are bf16-only, so attention is pinned to Triton and the
         # two runs differ in the sampler's backend only (the comparison is then required)

@@ -24,12 +24,13 @@ from engine.model.hf_oracle import hf_greedy, hf_teacher_forced
 from engine.runner import Completion, Engine, Request
 
 FP32_LOGITS_ATOL = 2e-3  # logits are O(10); fp32 summation-order differences stay ~1e-4
-# fp8 vs an fp8-emulating transformers model: an fp32 rounding difference upstream of the cache can flip
-# an e4m3 rounding (a 1/16 relative step of one element) and the tiny model amplifies it. Measured on a
-# CPU (2026-11-30): a relative change of 1e-6 / 1e-5 in the cached values before rounding moves the
-# emulation's logits by up to 0.12 / 0.38; the engine against the emulation differs by 0.005-0.008 on
-# a development machine's CPU and by 0.059 on the H200 machine's CPU; the quantization itself moves them by 2.2
-# and 2.8. The fp8 path's exactness is tested engine against engine (bit for bit).
+# fp8 vs an fp8-emulating transformers model: an fp32 rounding difference upstream of the cache can
+# flip an e4m3 rounding (a 1/16 relative step of one element) and the tiny model amplifies it.
+# Measured on a CPU (2026-11-30): a relative change of 1e-6 / 1e-5 in the cached values before
+# rounding moves the emulation's logits by up to 0.12 / 0.38; the engine against the emulation
+# differs by 0.005-0.008 on a development machine's CPU and by 0.059 on the H200 machine's CPU; the
+# quantization itself moves them by 2.2 and 2.8 (docs/tests.md). The fp8 path's exactness is tested
+# engine against engine, bit for bit.
 FP8_LOGITS_ATOL = 0.5
 
 

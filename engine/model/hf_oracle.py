@@ -3,8 +3,8 @@ given tokens), one prompt at a time.
 
 Each prompt runs alone (batch 1) through the model's own cache (DynamicCache with DeepSeek-V4's
 sliding-window + compressor layers), one forward per generated token; greedy feeds the argmax of
-the last logits. Exactly `max_new_tokens` tokens are produced; EOS does not stop generation (the engine does the
-same), so token lists always have the same length.
+the last logits. Exactly `max_new_tokens` tokens are produced; EOS does not stop generation (the
+engine does the same), so token lists always have the same length.
 """
 
 from __future__ import annotations
