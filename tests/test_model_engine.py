@@ -346,6 +346,21 @@ def test_engine_paged_fp8_decode_matches_the_gather_path(checkpoint, prompts, ba
         assert diff <= 1e-2, f"{name}: per-step logits differ by {diff}"
 
 
+@pytest.mark.gpu
+def test_engine_on_gpu_without_tilelang_matches_oracle_fp32(checkpoint, prompts, oracle, backend_env):
+    """A GPU node without TileLang (simulated): the float32 engine on CUDA through the Triton backend
+    (the portable sparse MLA kernel, Triton ops and sampler) against the CPU oracle: greedy tokens
+    equal, per-step logits to fp32 rounding, no op fallback."""
+    backend_env(DEEPINFER_SIMULATE_NO_TILELANG="1", DEEPINFER_OPS_STRICT="1")
+    names = list(prompts)
+    engine = Engine(checkpoint, device="cuda", dtype=torch.float32)
+    completions = engine.generate([Request(n, prompts[n][0], prompts[n][1]) for n in names])
+    _assert_matches_oracle(completions, oracle, names)
+    stats = engine.stats()
+    assert stats["sparse_mla_backend"] == "triton" and stats["op_fallbacks"] == {}
+    _all_pages_free(engine)
+
+
 def test_engine_rejects_float32_on_tilelang(checkpoint, backend_env, monkeypatch):
     """The TileLang sparse MLA kernels take bf16 only: a float32 engine on a process that resolved
     tilelang fails at construction, naming dtype and the way out, instead of in its first forward."""
