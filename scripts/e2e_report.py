@@ -158,6 +158,7 @@ def evaluate_run(label: str, environ: dict, result: serve_dp.DPResult, prompts: 
             err = rec.error or {"type": "?", "message": "failed without an error record"}
             failures.append(f"rank {rec.rank} failed at stage {rec.stage}: {err['type']}: {err['message']}")
     mnf = sum(r["module_not_found_failures"] for r in ranks)
+    tilelang_fallbacks = sum(r["tilelang_missing"] is not None for r in ranks)  # auto chose triton: no TileLang
     if mnf:
         failures.append(f"{mnf} rank(s) hit a ModuleNotFoundError")
     fallbacks: Counter = Counter()
@@ -201,7 +202,8 @@ def evaluate_run(label: str, environ: dict, result: serve_dp.DPResult, prompts: 
         "sampling_backend": sampler_summary(ranks),
         "dist_backend": result.dist_backend, "dist_backend_reason": result.dist_backend_reason,
         "gathered": result.gathered, "notes": result.notes, "wall_seconds": result.wall_seconds,
-        "backend_summary": backend_summary(ranks), "module_not_found_failures": mnf,
+        "backend_summary": backend_summary(ranks), "tilelang_fallbacks": tilelang_fallbacks,
+        "module_not_found_failures": mnf,
         "op_fallbacks": dict(sorted(fallbacks.items())), "control": control, "ranks": ranks, "prompts": prompt_rows,
     }
 
@@ -297,6 +299,7 @@ def render_markdown(report: dict) -> str:
         ("exit code", lambda r: report["exit_code"]),
         ("sampling", lambda r: _sampling_cell(report, r)),
         ("sparse MLA backend per rank", lambda r: r["backend_summary"]),
+        ("ranks whose auto backend fell back to triton (TileLang missing)", lambda r: r["tilelang_fallbacks"]),
         ("ModuleNotFoundError failures", lambda r: r["module_not_found_failures"]),
         ("kernels served by the default backend (op fallbacks)", lambda r: _fallbacks_cell(r["op_fallbacks"])),
         ("DP ranks agreeing (control prompt)", lambda r: f"{r['control']['agreeing']}/{r['control']['ranks']}"),

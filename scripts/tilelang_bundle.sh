@@ -9,7 +9,8 @@
 #       Default platform tags: manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64.
 #       PIP overrides the pip command (default "python3 -m pip"), e.g. PIP=".venv/bin/python -m pip".
 #   tilelang_bundle.sh install TARBALL DEST
-#       On the offline node: extracts the bundle into DEST and prints the PYTHONPATH line to use.
+#       On the offline node: checks that the bundle's CPython tag is the node's (PYTHON, default
+#       python3), extracts it into DEST and prints the PYTHONPATH line to use (eval-safe quoting).
 #
 # The node must already have torch and numpy (the bundle never shadows them) and nvcc for JIT.
 set -euo pipefail
@@ -81,11 +82,20 @@ cmd_install() {
   [[ $# -eq 2 ]] || usage
   local tarball=$1 dest=$2
   [[ -f $tarball ]] || die "install: no such bundle '$tarball'"
+  # Version-specific wheels (tag cpXY-cpXY) only import on that CPython: refuse a mismatch up front.
+  local wanted node
+  wanted=$(tar -xJOf "$tarball" ./BUNDLE_WHEELS.txt | grep -o -- '-cp[0-9]*-cp[0-9]*-' | cut -d- -f2 | sort -u) \
+    || die "install: '$tarball' has no BUNDLE_WHEELS.txt (not a bundle of this script?)"
+  node=$(${PYTHON:-python3} -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")') \
+    || die "install: cannot run ${PYTHON:-python3} (set PYTHON to the node's interpreter)"
+  [[ -z $wanted || $wanted == "$node" ]] \
+    || die "install: '$tarball' is built for $wanted, ${PYTHON:-python3} here is $node (build one with --python-version)"
   mkdir -p "$dest"
   tar -C "$dest" -xJf "$tarball"
   [[ -d $dest/tilelang ]] || die "install: '$tarball' holds no tilelang package"
   dest=$(cd "$dest" && pwd)
-  echo "export PYTHONPATH=$dest\${PYTHONPATH:+:\$PYTHONPATH}"
+  # shellcheck disable=SC2016  # ${PYTHONPATH...} is for the shell that evaluates the printed line
+  printf 'export PYTHONPATH=%q${PYTHONPATH:+:$PYTHONPATH}\n' "$dest"
 }
 
 [[ $# -ge 1 ]] || usage

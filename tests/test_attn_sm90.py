@@ -246,6 +246,22 @@ def test_decode_matches_oracle_ref_backend(ref_backend, dispatcher_calls, layout
     assert_adapter_indices(indices, batch, s_q, width + extra, spans)
 
 
+@pytest.mark.parametrize("sink_layout", ["strided", "expanded"])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_takes_a_sink_view_of_any_stride(ref_backend, sink_layout, splits):
+    """The sink as a column of a wider tensor (stride 2) or one value expanded to every head (stride 0):
+    the merge of a split reads it by its stride, as the kernels do."""
+    case, _ = make_decode_case(31, 2, 1, 16, 0, topk=12, etopk=0, dtype=torch.float32)
+    if sink_layout == "strided":
+        wide = torch.randn(H, 2, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+        case["attn_sink"] = wide[:, 0]
+    else:
+        case["attn_sink"] = torch.tensor([0.75], device=DEVICE).expand(H)
+    assert case["attn_sink"].stride(0) != 1
+    out, lse = run_decode(case, num_splits=splits)
+    assert_matches(out, lse, oracle(case), exact=True)
+
+
 def test_decode_window_slice_is_not_copied(ref_backend, dispatcher_calls):
     """A one-cache call on buf[:, :W] of a wider buffer keeps the buffer's request stride."""
     batch, width, extra = 4, 8, 5
@@ -590,6 +606,34 @@ def test_prefill_bad_inputs_name_the_argument(ref_backend):
         attn.prefill_attn_varlen_sparse(query, kv, idx, SCALE, sink[:2], length)
     with pytest.raises(TypeError, match="^softmax_scale:"):
         attn.prefill_attn_varlen_sparse(query, kv, idx, "0.1")
+    with pytest.raises(ValueError, match="^query: expected D >= 512"):
+        attn.prefill_attn_varlen_sparse(query[..., :256], kv[..., :256], idx, SCALE)
+
+
+@pytest.mark.parametrize("backend", ["ref", "triton"])
+def test_prefill_errors_name_the_entry_points_arguments(monkeypatch, backend):
+    """Checks the operator makes too (heads, contiguity, device) name prefill_attn_varlen_sparse's own
+    arguments, not the operator's q / kv / indices."""
+    _select_backend(monkeypatch, backend)
+    query, kv, idx, sink, length = make_prefill_case(15, torch.float32)
+    wide_idx = torch.stack([idx, idx], dim=-1)[..., 0]  # last dim strided
+    if backend == "triton":  # the kernels' shape and layout limits (the reference takes any)
+        cases = [
+            (ValueError, "^index_topk: the last dim must be contiguous", dict(index_topk=wide_idx)),
+            (ValueError, r"^query: expected h_q in \(64, 128\)", dict(query=query[:, :32])),
+            (ValueError, "^kv_a_with_mqa: the last dim must be contiguous",
+             dict(kv_a_with_mqa=torch.stack([kv, kv], dim=-1)[..., 0])),
+            (ValueError, r"^attn_sink: expected shape \[64\] \(query's h_q\)", dict(attn_sink=sink[:3])),
+        ]
+    else:
+        cases = [(ValueError, r"^index_length: expected shape \[12\] \(query's s_q\)",
+                  dict(index_length=length[:2]))]
+    good = dict(query=query, kv_a_with_mqa=kv, index_topk=idx, softmax_scale=SCALE, attn_sink=sink,
+                index_length=length)
+    for error, match, changes in cases:
+        with pytest.raises(error, match=match):
+            attn.prefill_attn_varlen_sparse(**{**good, **changes})
+    sparse_mla.reset_resolution_for_tests()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -664,6 +708,9 @@ def test_paged_decode_bad_inputs_name_the_argument(ref_backend):
     cases = [
         (TypeError, "^q:", dict(q=good["q"].float())),
         (ValueError, "^q:", dict(q=good["q"][:, :0])),
+        (ValueError, r"^q: expected shape \[B, s_q, H in \(64, 128\), 512\]",
+         dict(q=torch.zeros(b, s_q, H, 576, dtype=torch.bfloat16, device=DEVICE))),
+        (ValueError, "^q: expected shape", dict(q=good["q"][:, :, :32])),
         (TypeError, "^cache:", dict(cache=good["cache"].view(torch.int8))),
         (ValueError, "^cache:", dict(cache=torch.zeros(2, 16, 1, 656, dtype=torch.uint8, device=DEVICE))),
         (TypeError, "^slots:", dict(slots=good["slots"].float())),
@@ -673,6 +720,8 @@ def test_paged_decode_bad_inputs_name_the_argument(ref_backend):
         (ValueError, "^extra_cache, extra_slots, extra_indices:", dict(extra_slots=None)),
         (ValueError, "^extra_topk_length:", dict(extra_cache=None, extra_slots=None, extra_indices=None)),
         (ValueError, "^extra_cache:", dict(extra_cache=good["extra_cache"][:, :, :, :583])),
+        (ValueError, "^extra_cache: expected block_size 16",
+         dict(extra_cache=kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, 3, 32, DEVICE))),
         (ValueError, "^extra_slots:", dict(extra_slots=good["extra_slots"][:, :0])),
         (ValueError, "^extra_indices:", dict(extra_indices=good["extra_indices"][:1])),
         (ValueError, "^extra_topk_length:", dict(extra_topk_length=good["extra_topk_length"][:1])),

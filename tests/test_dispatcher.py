@@ -3,8 +3,10 @@
 import importlib.abc
 import logging
 import math
+import os
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from engine.h20_ops import backend_select, sparse_mla
 from engine.h20_ops.sparse_mla_ref import sparse_mla_prefill_ref
 
 KERNEL_MODULE = sparse_mla.TILELANG_KERNEL_MODULE
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _is_tilelang_module(name):
@@ -49,14 +52,48 @@ class _RaiseOnTileLang(importlib.abc.MetaPathFinder):
         return None
 
 
+class _RaiseOnModule(importlib.abc.MetaPathFinder):
+    """Importing `name` (not yet imported) raises `exc`."""
+
+    def __init__(self, name, exc):
+        self.name, self.exc = name, exc
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == self.name:
+            raise self.exc
+        return None
+
+
 def _fake_kernel_module():
     return types.ModuleType(KERNEL_MODULE)
 
 
 def test_unset_with_tilelang_importable_picks_tilelang(fresh_process):
+    """The import decides, not the package's name: the kernel module imports while `tilelang` itself
+    cannot even be looked up by name -> tilelang."""
     fresh_process.setitem(sys.modules, KERNEL_MODULE, _fake_kernel_module())
+    sys.meta_path.insert(0, _RaiseOnTileLang(ModuleNotFoundError("No module named 'tilelang'", name="tilelang")))
     res = sparse_mla.backend_resolution()
     assert (res.backend, res.tilelang_missing) == ("tilelang", None)
+
+
+def test_unset_with_tilelang_failing_inside_the_kernel_module_picks_triton(fresh_process):
+    """`tilelang` is found by name, but the kernel module's import of it fails as a missing TileLang
+    does -> triton (a lookup by name would pick tilelang)."""
+    fresh_process.setitem(sys.modules, "tilelang", types.ModuleType("tilelang"))
+    missing = ModuleNotFoundError("No module named 'tilelang'", name="tilelang")
+    sys.meta_path.insert(0, _RaiseOnModule(KERNEL_MODULE, missing))
+    res = sparse_mla.backend_resolution()
+    assert res.backend == "triton" and "No module named 'tilelang'" in res.tilelang_missing
+
+
+def test_missing_tilelang_submodule_is_a_broken_install_not_absence(fresh_process):
+    """A partial install (the package imports, one of its submodules is missing) must surface."""
+    partial = ModuleNotFoundError("No module named 'tilelang.jit'", name="tilelang.jit")
+    sys.meta_path.insert(0, _RaiseOnModule(KERNEL_MODULE, partial))
+    with pytest.raises(ImportError, match="tilelang.jit") as err:
+        sparse_mla.resolve_backend()
+    assert not isinstance(err.value, ModuleNotFoundError)
 
 
 def test_unset_with_simulated_absence_picks_triton_through_a_real_import(fresh_process):
@@ -76,9 +113,71 @@ def importlib_import(name):
 
 
 def test_simulation_also_hides_an_already_imported_tilelang(fresh_process):
-    fresh_process.setitem(sys.modules, "tilelang", types.ModuleType("tilelang"))
+    """TileLang and the kernel module imported before the variable is set (both as sys.modules entries
+    and as the package's attribute): the simulation drops them, so the resolution, a plain import of
+    a submodule and `from package import module` all fail as without TileLang."""
+    import engine.h20_ops as package
+
+    tilelang = types.ModuleType("tilelang")
+    tilelang.__path__ = []  # a package: `import tilelang.language` would succeed from sys.modules
+    fresh_process.setitem(sys.modules, "tilelang", tilelang)
+    fresh_process.setitem(sys.modules, "tilelang.language", types.ModuleType("tilelang.language"))
+    fresh_process.setitem(sys.modules, KERNEL_MODULE, _fake_kernel_module())
+    attr = KERNEL_MODULE.rpartition(".")[2]
+    saved_attr = package.__dict__.get(attr)
+    package.__dict__[attr] = sys.modules[KERNEL_MODULE]
     fresh_process.setenv("DEEPINFER_SIMULATE_NO_TILELANG", "1")
-    assert sparse_mla.resolve_backend() == "triton"
+    try:
+        assert sparse_mla.resolve_backend() == "triton"
+        with pytest.raises(ModuleNotFoundError):
+            importlib_import("tilelang.language")
+        with pytest.raises(ModuleNotFoundError) as err:
+            from engine.h20_ops import sparse_mla_sm90  # noqa: F401
+        assert err.value.name == "tilelang"
+    finally:
+        package.__dict__.pop(attr, None)
+        if saved_attr is not None:
+            package.__dict__[attr] = saved_attr
+
+
+def test_simulation_from_the_start_blocks_explicit_backends_too(tmp_path):
+    """DEEPINFER_SIMULATE_NO_TILELANG=1 in a new process: before any resolution, an explicit
+    backend='tilelang' argument (prefill, paged fp8, sampling) is a clear error and every TileLang
+    import fails."""
+    import subprocess
+
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import importlib, torch\n"
+        "from engine.h20_ops import fused_sample, sparse_mla\n"
+        "from engine.h20_ops.backend_select import TileLangUnavailableError\n"
+        "calls = {\n"
+        "    'prefill': lambda: sparse_mla.sparse_mla_fwd(torch.zeros(1, 64, 512), torch.zeros(1, 1, 512),\n"
+        "                                             torch.zeros(1, 1, dtype=torch.int32), 0.1, backend='tilelang'),\n"
+        "    'paged': lambda: sparse_mla.sparse_mla_paged_fp8_fwd(None, None, None, None, 0.1, backend='tilelang'),\n"
+        "    'sample': lambda: fused_sample._implementation('tilelang'),\n"
+        "}\n"
+        "for name, call in calls.items():\n"
+        "    try:\n"
+        "        call()\n"
+        "        print(name, 'RAN')\n"
+        "    except TileLangUnavailableError as exc:\n"
+        "        print(name, 'unavailable', 'DEEPINFER_SIMULATE_NO_TILELANG=1' in str(exc))\n"
+        "for name in ('tilelang', 'tilelang.language', sparse_mla.TILELANG_KERNEL_MODULE):\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "        print(name, 'IMPORTED')\n"
+        "    except ModuleNotFoundError as exc:\n"
+        "        print(name, 'blocked', exc.name)\n")
+    env = {**os.environ, "DEEPINFER_SIMULATE_NO_TILELANG": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("DEEPINFER_SPARSE_MLA_BACKEND", None)
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:-1] == [
+        "prefill unavailable True", "paged unavailable True", "sample unavailable True",
+        "tilelang blocked tilelang", "tilelang.language blocked tilelang",
+        f"{sparse_mla.TILELANG_KERNEL_MODULE} blocked tilelang"]
 
 
 def test_explicit_tilelang_when_missing_is_a_clear_error(fresh_process):
@@ -115,6 +214,17 @@ def test_no_cuda_resolves_to_the_triton_interpreter(fresh_process):
     fresh_process.setattr(torch.cuda, "is_available", lambda: False)
     fresh_process.setitem(sys.modules, KERNEL_MODULE, _fake_kernel_module())
     assert sparse_mla.backend_resolution().backend == "triton"
+
+
+def test_log_line_names_the_dp_rank(fresh_process, caplog):
+    fresh_process.setenv("DEEPINFER_SPARSE_MLA_BACKEND", "triton")
+    fresh_process.setattr(torch.distributed, "is_initialized", lambda: True)
+    fresh_process.setattr(torch.distributed, "get_rank", lambda: 3)
+    fresh_process.setattr(torch.distributed, "get_world_size", lambda: 8)
+    with caplog.at_level(logging.INFO, logger=backend_select.__name__):
+        sparse_mla.resolve_backend()
+    lines = [r.getMessage() for r in caplog.records if r.name == backend_select.__name__]
+    assert lines == ["sparse MLA backend: triton (DEEPINFER_SPARSE_MLA_BACKEND=triton) [dp rank 3/8]"]
 
 
 def test_logged_once_per_process(fresh_process, caplog):

@@ -203,11 +203,12 @@ def fake_oracle(salt=0):
 
 # ------------------------------------------------------------------------------- report building
 
-def synthetic_result(ranks=4, wrong_prompt=None, backends=None, fallbacks=None) -> DPResult:
+def synthetic_result(ranks=4, wrong_prompt=None, backends=None, fallbacks=None, tilelang_missing=None) -> DPResult:
     records = []
     for r in range(ranks):
         rec = RankRecord(rank=r, device="cpu", ok=True, stage="done", backend=(backends or {}).get(r, "triton"),
                          backend_reason="auto: TileLang missing (x)", op_fallbacks=(fallbacks or {}).get(r, {}),
+                         tilelang_missing=tilelang_missing,
                          prompt_indices=serve_dp.round_robin(len(PROMPTS), ranks)[r], generated_tokens=10,
                          serve_seconds=2.0, tokens_per_s=5.0)
         for rid, prompt in [(CONTROL_REQUEST_ID, CONTROL)] + [(prompt_request_id(i), PROMPTS[i]) for i in rec.prompt_indices]:
@@ -257,7 +258,8 @@ def test_backend_fallbacks_and_control_disagreement():
 
 def test_markdown_and_compare():
     prompts = [list(p) for p in PROMPTS]
-    a = e2e_report.evaluate_run("TileLang blocked", {}, synthetic_result(), prompts, fake_oracle(), True,
+    a = e2e_report.evaluate_run("TileLang blocked", {}, synthetic_result(tilelang_missing="No module named 'tilelang'"),
+                                prompts, fake_oracle(), True,
                                 lambda ids: "a|b\n" + str(ids[:1]))
     b = e2e_report.evaluate_run("TileLang present", {}, synthetic_result(wrong_prompt=1), prompts, fake_oracle(), True,
                                 lambda ids: "x")
@@ -272,6 +274,7 @@ def test_markdown_and_compare():
     assert "| | TileLang blocked | TileLang present |" in md
     assert "| exit code | 1 | 1 |" in md
     assert "| sparse MLA backend per rank | triton x4 | triton x4 |" in md
+    assert "| ranks whose auto backend fell back to triton (TileLang missing) | 4 | 0 |" in md
     assert "| DP ranks agreeing (control prompt) | 4/4 | 4/4 |" in md
     assert "| kernels served by the default backend (op fallbacks) | none | none |" in md
     assert "| tokens/s per rank | r0 5, r1 5, r2 5, r3 5 | r0 5, r1 5, r2 5, r3 5 |" in md

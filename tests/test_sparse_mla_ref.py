@@ -179,3 +179,18 @@ def test_device_mismatch_is_reported():
     with pytest.raises(ValueError, match="^kv"):
         sparse_mla_prefill_ref(torch.zeros(2, 64, 512).bfloat16(), torch.zeros(10, 1, 512).bfloat16().cuda(),
                                torch.zeros(2, 4, dtype=torch.int32), 0.1)
+
+
+def test_nan_in_a_valid_row_stays_nan_and_empty_rows_stay_zero():
+    """Only an empty row (nothing valid) is defined as out 0: a NaN that reaches a valid row's scores
+    must come out as NaN, as from every kernel, not be masked into a finite answer."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 64, 512, generator=g)
+    kv = torch.randn(10, 1, 512, generator=g)
+    idx = torch.randint(0, 10, (3, 4), generator=g, dtype=torch.int32)
+    idx[2] = -1  # empty
+    q[0, 5, 7] = float("nan")
+    res = sparse_mla_prefill_ref(q, kv, idx, 0.05)
+    assert res.out[0, 5].isnan().all() and res.lse[0, 5].isnan()
+    assert not res.out[0, :5].isnan().any() and not res.out[1].isnan().any()
+    assert (res.out[2] == 0).all() and (res.lse[2] == float("inf")).all()

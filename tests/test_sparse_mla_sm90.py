@@ -129,6 +129,20 @@ def test_rejects_cpu_tensors():
         sparse_mla_fwd_sm90(q, kv, idx, 0.04)
 
 
+def test_rejects_a_gpu_other_than_sm90(monkeypatch):
+    """A CUDA device of another architecture (here: claimed 10.0) is a clear error before any launch,
+    for the prefill and the paged fp8 kernel alike (wgmma / setmaxnreg code is sm_90a only)."""
+    from engine.h20_ops import kv_quant, sparse_mla_sm90, sparse_mla_sm90_paged_fp8
+
+    monkeypatch.setattr(sparse_mla_sm90, "cuda_capability", lambda device: (10, 0))
+    q, kv, idx = _small_inputs()
+    with pytest.raises(ValueError, match=r"^q: expected a tensor on an SM90 GPU .* 10\.0; use DEEPINFER_SPARSE"):
+        sparse_mla_sm90.sparse_mla_fwd_sm90(q, kv, idx, 0.04)
+    cache = kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, 2, 16, "cpu")
+    with pytest.raises(ValueError, match="^q: expected a tensor on an SM90 GPU"):
+        sparse_mla_sm90_paged_fp8.sparse_mla_fwd_sm90_paged_fp8(q, cache, None, idx, 0.04)
+
+
 @pytest.mark.parametrize("h_q,d_qk,bad", [(32, 512, "q"), (64, 640, "q")])
 def test_rejects_unsupported_shapes(h_q, d_qk, bad):
     from engine.h20_ops.sparse_mla_sm90 import sparse_mla_fwd_sm90

@@ -2,11 +2,12 @@
 
 Auto resolution imports the op's TileLang kernel module: only a ModuleNotFoundError for `tilelang`
 itself means "TileLang missing" (-> triton); anything else, a ModuleNotFoundError for one of
-TileLang's dependencies included, is a broken install and propagates. Without CUDA, auto is always
-triton (TileLang kernels only run on an SM90 GPU; Triton runs under its interpreter).
-DEEPINFER_SIMULATE_NO_TILELANG=1 installs an import hook first so that the real auto path runs as on
-a node without TileLang. The result and its reason are logged once per process, with the DP rank
-when torch.distributed is initialized.
+TileLang's submodules or dependencies included (a partial install), is a broken install and
+propagates. Without CUDA, auto is always triton (TileLang kernels only run on an SM90 GPU; Triton runs
+under its interpreter). DEEPINFER_SIMULATE_NO_TILELANG=1 installs an import hook (when engine.h20_ops
+is imported, and again before every resolution) so that every import of tilelang, explicit backends
+included, fails as on a node without TileLang. The result and its reason are logged once per process,
+with the DP rank when torch.distributed is initialized.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from engine import config
 
 log = logging.getLogger(__name__)
 
-_TILELANG_KERNEL_MODULES: set[str] = set()  # every selector's module: dropped with tilelang when blocked
+_TILELANG_KERNEL_MODULES: set[str] = set()  # every module imported by import_tilelang_module: dropped with tilelang when blocked
 
 
 class TileLangUnavailableError(RuntimeError):
@@ -44,23 +45,52 @@ def _is_tilelang(name: str | None) -> bool:
 
 
 class _BlockTileLang(importlib.abc.MetaPathFinder):
-    """Makes `import tilelang` (and any submodule) raise ModuleNotFoundError."""
+    """Makes `import tilelang` (and any submodule) raise ModuleNotFoundError for `tilelang`, as on a
+    machine where the package does not exist."""
 
     def find_spec(self, fullname, path=None, target=None):
         if _is_tilelang(fullname):
             raise ModuleNotFoundError(
-                f"No module named {fullname!r} (blocked by DEEPINFER_SIMULATE_NO_TILELANG=1)", name=fullname)
+                "No module named 'tilelang' (blocked by DEEPINFER_SIMULATE_NO_TILELANG=1)", name="tilelang")
         return None
 
 
 def install_tilelang_block() -> None:
-    """Idempotent; also drops already-imported tilelang and TileLang kernel modules so that later
+    """Idempotent; also drops already-imported tilelang and TileLang kernel modules (and their
+    attributes on the parent package, which `from package import module` would return) so that later
     imports hit the hook."""
     if not any(isinstance(f, _BlockTileLang) for f in sys.meta_path):
         sys.meta_path.insert(0, _BlockTileLang())
     for name in list(sys.modules):
         if _is_tilelang(name) or name in _TILELANG_KERNEL_MODULES:
             del sys.modules[name]
+            parent, _, child = name.rpartition(".")
+            if parent in sys.modules and not _is_tilelang(parent):
+                sys.modules[parent].__dict__.pop(child, None)
+
+
+def import_tilelang_module(module: str):
+    """Imports a module built on TileLang. TileLang missing: ModuleNotFoundError (name 'tilelang');
+    anything else that fails (a missing TileLang submodule or dependency, a bad binary) is a broken
+    install: ImportError / the original error."""
+    _TILELANG_KERNEL_MODULES.add(module)
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == "tilelang":
+            raise
+        raise ImportError(f"TileLang module {module} failed to import (a broken TileLang install?): {exc}") from exc
+
+
+def import_tilelang_module_or_explain(module: str, requested_as: str):
+    """import_tilelang_module for a caller that asked for TileLang explicitly (`requested_as`, e.g.
+    "backend='tilelang'"): TileLang missing is a TileLangUnavailableError saying so."""
+    try:
+        return import_tilelang_module(module)
+    except ModuleNotFoundError as exc:
+        raise TileLangUnavailableError(
+            f"{requested_as} but TileLang cannot be imported ({exc}); install the `tilelang` extra (or the "
+            "offline bundle, see README) or choose triton") from exc
 
 
 def _dp_rank_suffix() -> str:
@@ -85,12 +115,7 @@ class BackendSelector:
         _TILELANG_KERNEL_MODULES.add(tilelang_module)
 
     def import_tilelang(self):
-        try:
-            return importlib.import_module(self.tilelang_module)
-        except ModuleNotFoundError as exc:
-            if _is_tilelang(exc.name):
-                raise
-            raise ImportError(f"TileLang kernel module {self.tilelang_module} failed to import: {exc}") from exc
+        return import_tilelang_module(self.tilelang_module)
 
     def _resolve(self) -> Resolution:
         if config.simulate_no_tilelang():
@@ -99,12 +124,7 @@ class BackendSelector:
         if requested is not None and requested != "tilelang":
             return Resolution(requested, f"{self.variable}={requested}", None)
         if requested == "tilelang":
-            try:
-                self.import_tilelang()
-            except ModuleNotFoundError as exc:
-                raise TileLangUnavailableError(
-                    f"{self.variable}=tilelang but TileLang cannot be imported ({exc}); install the `tilelang` "
-                    "extra (or the offline bundle, see README) or choose triton") from exc
+            import_tilelang_module_or_explain(self.tilelang_module, f"{self.variable}=tilelang")
             return Resolution("tilelang", f"{self.variable}=tilelang", None)
         if not torch.cuda.is_available():
             return Resolution("triton", "auto: no CUDA device (Triton interpreter)", None)

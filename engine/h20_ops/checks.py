@@ -67,59 +67,69 @@ def check_sparse_mla_args(
     *,
     q_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
     limit_shapes: bool = True,
+    names: dict[str, str] | None = None,
 ) -> tuple[SparseMlaShape, torch.Tensor]:
     """Validate the prefill operator's arguments; returns the shape and indices as [s_q, topk].
 
     q [s_q, h_q, d_qk]; kv [s_kv, 1, d_qk]; indices [s_q, topk] or [s_q, 1, topk] int32;
     attn_sink [h_q] float32; topk_length [s_q] int32. `limit_shapes` restricts h_q / d_qk / d_v to
-    the model shapes the kernels are built for (the reference accepts any).
+    the model shapes the kernels are built for (the reference accepts any). `names` maps these
+    argument names to the caller's (an entry point's errors name its own arguments).
     """
-    require_tensor("q", q, dtypes=q_dtypes, ndim=3)
-    require_tensor("kv", kv, dtypes=(q.dtype,), ndim=3)
-    require_tensor("indices", indices, dtypes=(torch.int32,), ndim=(2, 3))
-    require_same_device("q", q, kv=kv, indices=indices, attn_sink=attn_sink, topk_length=topk_length)
-    sm_scale = require_scale("sm_scale", sm_scale)
+    names = names or {}
+
+    def n(arg: str) -> str:
+        return names.get(arg, arg)
+
+    require_tensor(n("q"), q, dtypes=q_dtypes, ndim=3)
+    require_tensor(n("kv"), kv, dtypes=(q.dtype,), ndim=3)
+    require_tensor(n("indices"), indices, dtypes=(torch.int32,), ndim=(2, 3))
+    require_same_device(n("q"), q, **{n("kv"): kv, n("indices"): indices, n("attn_sink"): attn_sink,
+                                      n("topk_length"): topk_length})
+    sm_scale = require_scale(n("sm_scale"), sm_scale)
     s_q, h_q, d_qk = q.shape
     s_kv, h_kv, d_kv = kv.shape
     if h_kv != 1:
-        raise ValueError(f"kv: expected 1 kv head (shape [s_kv, 1, d_qk]), got shape {tuple(kv.shape)}")
+        raise ValueError(f"{n('kv')}: expected 1 kv head (shape [s_kv, 1, d_qk]), got shape {tuple(kv.shape)}")
     if d_kv != d_qk:
-        raise ValueError(f"kv: expected last dim {d_qk} (q's d_qk), got {d_kv}")
+        raise ValueError(f"{n('kv')}: expected last dim {d_qk} ({n('q')}'s d_qk), got {d_kv}")
     if indices.dim() == 3:
         if indices.size(1) != 1:
-            raise ValueError(f"indices: expected shape [s_q, topk] or [s_q, 1, topk], got {tuple(indices.shape)}")
+            raise ValueError(f"{n('indices')}: expected shape [s_q, topk] or [s_q, 1, topk], got {tuple(indices.shape)}")
         indices = indices[:, 0, :]
     if indices.size(0) != s_q:
-        raise ValueError(f"indices: expected {s_q} rows (q's s_q), got shape {tuple(indices.shape)}")
+        raise ValueError(f"{n('indices')}: expected {s_q} rows ({n('q')}'s s_q), got shape {tuple(indices.shape)}")
     topk = indices.size(1)
     if topk < 1:
-        raise ValueError(f"indices: expected topk >= 1, got shape {tuple(indices.shape)}")
-    if isinstance(d_v, bool) or not isinstance(d_v, int):
-        raise TypeError(f"d_v: expected an int, got {type(d_v).__name__}")
-    if not 1 <= d_v <= d_qk:
-        raise ValueError(f"d_v: expected 1 <= d_v <= d_qk ({d_qk}), got {d_v}")
+        raise ValueError(f"{n('indices')}: expected topk >= 1, got shape {tuple(indices.shape)}")
     if limit_shapes:
         if h_q not in SUPPORTED_HEADS:
-            raise ValueError(f"q: expected h_q in {SUPPORTED_HEADS}, got {h_q}")
+            raise ValueError(f"{n('q')}: expected h_q in {SUPPORTED_HEADS}, got {h_q}")
         if d_qk not in SUPPORTED_D_QK:
-            raise ValueError(f"q: expected d_qk in {SUPPORTED_D_QK}, got {d_qk}")
+            raise ValueError(f"{n('q')}: expected d_qk in {SUPPORTED_D_QK}, got {d_qk}")
+    if isinstance(d_v, bool) or not isinstance(d_v, int):
+        raise TypeError(f"{n('d_v')}: expected an int, got {type(d_v).__name__}")
+    if not 1 <= d_v <= d_qk:
+        raise ValueError(f"{n('d_v')}: expected 1 <= d_v <= d_qk ({d_qk}), got {d_v}")
+    if limit_shapes:
         if d_v not in SUPPORTED_D_V:
-            raise ValueError(f"d_v: expected one of {SUPPORTED_D_V}, got {d_v}")
-        for name, t in (("q", q), ("kv", kv), ("indices", indices)):
-            require_last_dim_contiguous(name, t)
-    check_sink(attn_sink, h_q)
+            raise ValueError(f"{n('d_v')}: expected one of {SUPPORTED_D_V}, got {d_v}")
+        for arg, t in (("q", q), ("kv", kv), ("indices", indices)):
+            require_last_dim_contiguous(n(arg), t)
+    check_sink(attn_sink, h_q, n("attn_sink"), n("q"))
     if topk_length is not None:
-        require_tensor("topk_length", topk_length, dtypes=(torch.int32,), ndim=1)
+        require_tensor(n("topk_length"), topk_length, dtypes=(torch.int32,), ndim=1)
         if topk_length.size(0) != s_q:
-            raise ValueError(f"topk_length: expected shape [{s_q}] (q's s_q), got {tuple(topk_length.shape)}")
+            raise ValueError(f"{n('topk_length')}: expected shape [{s_q}] ({n('q')}'s s_q), "
+                             f"got {tuple(topk_length.shape)}")
     return SparseMlaShape(s_q, h_q, d_qk, s_kv, topk, d_v), indices
 
 
-def check_sink(attn_sink, h_q: int) -> None:
+def check_sink(attn_sink, h_q: int, name: str = "attn_sink", q_name: str = "q") -> None:
     if attn_sink is not None:
-        require_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), ndim=1)
+        require_tensor(name, attn_sink, dtypes=(torch.float32,), ndim=1)
         if attn_sink.size(0) != h_q:
-            raise ValueError(f"attn_sink: expected shape [{h_q}] (q's h_q), got {tuple(attn_sink.shape)}")
+            raise ValueError(f"{name}: expected shape [{h_q}] ({q_name}'s h_q), got {tuple(attn_sink.shape)}")
 
 
 def _check_decode_lists(idx_name: str, indices, len_name: str, lengths, q: torch.Tensor) -> None:
@@ -174,6 +184,9 @@ def check_paged_decode_args(q: torch.Tensor, cache, slots, indices, attn_sink, t
     if extra_cache is not None:
         _check_paged_cache("extra_cache", extra_cache, bytes_per_token, "extra_slots", extra_slots,
                            "extra_indices", extra_indices, "extra_topk_length", extra_topk_length, q)
+        if extra_cache.size(1) != cache.size(1):
+            raise ValueError(f"extra_cache: expected block_size {cache.size(1)} (cache's), got shape "
+                             f"{tuple(extra_cache.shape)}")
     require_same_device("q", q, attn_sink=attn_sink)
     check_sink(attn_sink, q.size(2))
 

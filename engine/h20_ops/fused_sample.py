@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.h20_ops.backend_select import BackendSelector
+from engine.h20_ops.backend_select import BackendSelector, import_tilelang_module_or_explain
 from engine.h20_ops.checks import require_last_dim_contiguous, require_same_device, require_tensor
 from engine.h20_ops.fused_sample_ref import DRAW_DRAFT, DRAW_SAMPLE, sampling_scale
 
@@ -50,7 +50,7 @@ def _implementation(backend: str | None):
     elif backend == "triton":
         from engine.h20_ops import fused_sample_triton as impl
     else:
-        impl = _selector.import_tilelang()
+        impl = import_tilelang_module_or_explain(TILELANG_KERNEL_MODULE, "fused_sample backend 'tilelang'")
     return impl
 
 

@@ -16,7 +16,9 @@ Layouts (bytes; all little-endian):
 Numerics: per NoPE tile, scale = 2^e with e = ceil(log2(max(amax / 448, 1e-4))); code = e4m3fn
 round-to-nearest-even of x / scale (|x / scale| <= 448, no saturation needed). ue8m0 byte = e + 127.
 RoPE is stored as bf16 (fp32 input is rounded to nearest even). Dequantization fp8 * 2^e is exact in
-bf16 and fp32, so the dtype of the dequantized rows does not change their values.
+bf16 and fp32, so the dtype of the dequantized rows does not change their values (except at the top
+of fp32's range: a tile whose amax lies within an e4m3 rounding step of 2^128 can round to a code
+that dequantizes to +-inf).
 Deliberate deviation: e is computed exactly from amax's exponent bits instead of libm log2, which
 can round log2 of a value just above 2^k down to k (then x / scale could exceed 448).
 Inputs must be finite. The quantizer never produces the e4m3 NaN code (0x7f/0xff).

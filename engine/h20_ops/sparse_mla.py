@@ -10,13 +10,13 @@ tilelang if its kernel module imports, else triton; triton without CUDA).
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import torch
 
 from engine import config
 from engine.h20_ops.backend_select import BackendSelector, TileLangUnavailableError  # noqa: F401 (re-export)
+from engine.h20_ops.backend_select import import_tilelang_module_or_explain
 from engine.h20_ops.checks import check_sparse_mla_args
 
 LOG2E = 1.0 / math.log(2.0)  # natural log -> base 2: multiply by log2(e) = 1.4427
@@ -48,7 +48,8 @@ def _run_triton(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
 
 
 def _run_tilelang(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
-    return _selector.import_tilelang().sparse_mla_fwd_sm90(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+    module = import_tilelang_module_or_explain(TILELANG_KERNEL_MODULE, "sparse MLA backend 'tilelang'")
+    return module.sparse_mla_fwd_sm90(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
 
 
 _BACKENDS = {"ref": _run_ref, "triton": _run_triton, "tilelang": _run_tilelang}
@@ -86,6 +87,6 @@ def sparse_mla_paged_fp8_fwd(q, cache0, cache1, slot_indices, sm_scale, *, attn_
     if not paged_fp8_supported(backend):
         raise ValueError(f"backend: the paged fp8 kernel exists for tilelang only, got {backend!r} "
                          "(gather the rows with kv_quant.gather_dequant and call sparse_mla_fwd)")
-    module = importlib.import_module(TILELANG_PAGED_FP8_MODULE)
+    module = import_tilelang_module_or_explain(TILELANG_PAGED_FP8_MODULE, "sparse MLA backend 'tilelang'")
     return module.sparse_mla_fwd_sm90_paged_fp8(q, cache0, cache1, slot_indices, float(sm_scale),
                                                 attn_sink=attn_sink, topk_length=topk_length)

@@ -40,7 +40,9 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sm_scale: 
     max_logits = scores.amax(dim=-1)
     lse = torch.logsumexp(scores, dim=-1)
     empty = ~valid.any(dim=-1)  # [n]
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all -inf rows -> NaN -> 0
+    # Empty rows (all scores -inf) give 0 / 0 = NaN: they attend to nothing (out 0). Only they: a NaN
+    # from the inputs of a valid row stays NaN.
+    probs = torch.softmax(scores, dim=-1).masked_fill(empty[:, None, None], 0.0)
     out = torch.einsum("nhk,nkd->nhd", probs, keys[:, :, :d_v])
     lse = lse.masked_fill(empty[:, None], float("inf"))
     if attn_sink is not None:

@@ -60,7 +60,7 @@ import tilelang
 import tilelang.language as T
 import torch
 
-from engine.h20_ops import sm_count
+from engine.h20_ops import cuda_capability, sm_count
 from engine.h20_ops.checks import check_sparse_mla_args
 
 D_V = 512
@@ -507,6 +507,17 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def require_sm90_device(q: torch.Tensor) -> None:
+    """The kernels are built for sm_90a (wgmma, setmaxnreg): any other device is a clear error, not a
+    launch failure."""
+    capability = cuda_capability(q.device)
+    if capability is None:
+        raise ValueError(f"q: expected a CUDA tensor (the kernel is built for sm_90a), got device {q.device}")
+    if capability[0] != 9:
+        raise ValueError(f"q: expected a tensor on an SM90 GPU (the kernel is built for sm_90a), got {q.device} with "
+                         f"compute capability {capability[0]}.{capability[1]}; use DEEPINFER_SPARSE_MLA_BACKEND=triton")
+
+
 def _aligned_operand(t: torch.Tensor, name: str) -> torch.Tensor:
     """t made dense; the kernels read q by TMA and kv rows by 16-byte cp.async, both of which need a
     16-byte aligned start (a contiguous view can start anywhere)."""
@@ -523,8 +534,7 @@ def sparse_mla_fwd_sm90(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
     """q [s_q, h_q, d_qk] bf16, kv [s_kv, 1, d_qk] bf16, indices [s_q, topk] or [s_q, 1, topk] int32
     -> (out [s_q, h_q, 512] bf16, lse [s_q, h_q] fp32 base 2)."""
     shape, indices = check_sparse_mla_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
-    if q.device.type != "cuda":
-        raise ValueError(f"q: expected a CUDA tensor (the kernel is built for sm_90a), got device {q.device}")
+    require_sm90_device(q)
     out = torch.empty((shape.s_q, shape.h_q, D_V), dtype=torch.bfloat16, device=q.device)
     lse = torch.empty((shape.s_q, shape.h_q), dtype=torch.float32, device=q.device)
     if shape.s_q == 0:

@@ -51,7 +51,7 @@ from engine.h20_ops import kv_quant, sm_count
 from engine.h20_ops.sparse_mla_sm90 import PRELUDE as sm90_prelude
 from engine.h20_ops.sparse_mla_sm90 import (BLOCK_TOPK, COMPILE_FLAGS, D_V, GATHER_ORDER, GATHER_ORDER_NEXT_ITEM,
                                             HEADS_PER_CTA, LOG2E, SM90_TARGET, _aligned_operand, _dense,
-                                            consumer_parts, lengths_and_sink)
+                                            consumer_parts, lengths_and_sink, require_sm90_device)
 
 D_QK = 512
 D_NOPE = 448
@@ -421,8 +421,7 @@ def sparse_mla_fwd_sm90_paged_fp8(q: torch.Tensor, cache0: torch.Tensor, cache1:
     s_q, h_q = q.shape[:2]
     if h_q not in (64, 128):
         raise ValueError(f"q: expected h_q 64 or 128, got {h_q}")
-    if q.device.type != "cuda":
-        raise ValueError(f"q: expected a CUDA tensor (the kernel is built for sm_90a), got device {q.device}")
+    require_sm90_device(q)
     if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32:
         raise TypeError(f"indices: expected an int32 tensor, got {getattr(indices, 'dtype', type(indices).__name__)}")
     if indices.dim() == 3 and indices.size(1) == 1:
