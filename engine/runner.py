@@ -79,10 +79,15 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"SamplingParams.{name}: expected an int, got {type(value).__name__}")
-        # the kernels take log2(e) / temperature in fp32: it must be a finite, positive fp32 value
-        if self.temperature != 0 and not _FP32.tiny <= self.temperature <= _FP32.max:
-            raise ValueError(f"SamplingParams.temperature: expected 0 (greedy) or a finite number in "
-                             f"[{_FP32.tiny:.3g}, {_FP32.max:.3g}], got {self.temperature!r}")
+        # The kernels take log2(e) / temperature in fp32: it must be a normal fp32 value (an infinite
+        # one gives NaN weights; a subnormal one reads as 0, i.e. greedy, where fast math flushes it).
+        if self.temperature != 0:
+            scale = fused_sample.sampling_scale(torch.tensor([float(self.temperature)])).item() \
+                if math.isfinite(self.temperature) and self.temperature > 0 else 0.0
+            if not _FP32.tiny <= scale <= _FP32.max:
+                raise ValueError(f"SamplingParams.temperature: expected 0 (greedy) or a number whose log2(e) / T is "
+                                 f"a normal fp32 (T in about [{_FP32.tiny:.3g}, {math.log2(math.e) / _FP32.tiny:.3g}]), "
+                                 f"got {self.temperature!r}")
         if self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k: expected an int >= 0 (0: off), got {self.top_k!r}")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):

@@ -365,6 +365,11 @@ def test_bad_draw_backend_and_rejection_shapes():
     x, params = _good()
     with pytest.raises(ValueError, match="draw"):
         fs.sample(x, *params, draw=DRAW_ACCEPT, backend="ref")
+    with pytest.raises(ValueError, match="^draw"):  # equal to DRAW_SAMPLE, but not an int
+        fs.sample(x, *params, draw=float(fs.DRAW_SAMPLE), backend="ref")
+    huge = torch.empty(1, fs.MAX_VOCAB + 1, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match=r"^logits: expected a vocabulary of at most 2\^31 - 2\^16"):
+        fs.greedy_sample(huge, backend="ref")
     with pytest.raises(ValueError, match="backend"):
         fs.sample(x, *params, backend="cuda")
     target, draft = torch.randn(3, 3, 20), torch.randn(3, 2, 20)

@@ -119,6 +119,12 @@ def test_scale_exponents_exact_at_boundaries():
     assert kq.scale_exponents(vals).tolist() == expected
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (torch.equal takes -0.0 == +0.0; the dequantized sign of zero is checked)."""
+    ints = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(ints[a.dtype]), b.contiguous().view(ints[b.dtype]))
+
+
 def tricky_rows(d: int, dtype) -> torch.Tensor:
     rows = random_rows(24, d, dtype, seed=3).float()
     rows[0] = 0.0  # all-zero row: e = -13
@@ -169,7 +175,9 @@ def test_round_trip_and_gather_into_strided_window(layout, dtype):
     assert torch.isnan(buf[:, 0]).all() and torch.isnan(buf[:, 1 + width:]).all()  # outside: untouched
     got = buf[:, 1:1 + width]
     assert (got[:, 6] == 0).all()  # empty slots -> zero rows
-    assert torch.equal(got.float(), kq.dequantize_from_cache_ref(cache, table, dtype).float())
+    want = kq.dequantize_from_cache_ref(cache, table, dtype)
+    assert same_bits(got, want)
+    assert (torch.signbit(got[1 // 6, 1 % 6]) == torch.signbit(kv[1].to(dtype))).all()  # row 1 is -0.0
     # round trip: per tile |err| <= max(|x| * 2^-4, scale * 2^-10); RoPE is bf16 (exact for bf16 input)
     x = kv.float().view(batch, 6, layout.d)
     back = got[:, :6, 0].float()
@@ -189,7 +197,7 @@ def test_float8_cache_dtype_and_1d_flashmla_view():
     kq.quantize_into_cache(cache, slots, kv)
     out = torch.empty(1, 2, 1, 512, dtype=torch.bfloat16, device=DEVICE)
     kq.gather_dequant(cache, slots[None], out)
-    assert torch.equal(out[0], kq.dequantize_from_cache_ref(cache, slots, torch.bfloat16))
+    assert same_bits(out[0], kq.dequantize_from_cache_ref(cache, slots, torch.bfloat16))
 
 
 def test_bad_inputs_name_the_argument():
@@ -233,4 +241,4 @@ def test_gpu_many_tokens_byte_exact(layout):
     table = slots.view(64, n // 64)
     out = torch.empty(64, n // 64, 1, layout.d, dtype=torch.bfloat16, device="cuda")
     kq.gather_dequant(tri, table, out)
-    assert torch.equal(out, kq.dequantize_from_cache_ref(ref, table, torch.bfloat16))
+    assert same_bits(out, kq.dequantize_from_cache_ref(ref, table, torch.bfloat16))

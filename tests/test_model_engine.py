@@ -423,12 +423,14 @@ def test_sampling_params_are_validated_naming_the_field(checkpoint, backend_env)
     from engine.runner import SamplingParams
 
     assert SamplingParams().greedy and not SamplingParams(temperature=0.8).greedy
+    assert not SamplingParams(temperature=1e38).greedy and not SamplingParams(temperature=1.2e-38).greedy
     assert Request("a", [5], 2).sampling == SamplingParams()  # every existing caller stays greedy
     cases = [
         (dict(temperature=-0.5), ValueError, "temperature"),
         (dict(temperature=float("nan")), ValueError, "temperature"),
         (dict(temperature=1e-40), ValueError, "temperature"),  # log2(e) / T overflows fp32
         (dict(temperature=1e39), ValueError, "temperature"),  # not an fp32: would read as greedy
+        (dict(temperature=2e38), ValueError, "temperature"),  # log2(e) / T subnormal: greedy under fast math
         (dict(temperature="0.8"), TypeError, "temperature"),
         (dict(top_k=-1), ValueError, "top_k"),
         (dict(top_k=2.0), TypeError, "top_k"),

@@ -11,6 +11,10 @@ Ops (one kernel launch per batch each):
   accepted [N] int64): chain speculative verification; draft j is proposed for positions + j.
 Per-request tensors [N]: seeds int64 (the Philox key), positions int64 (position of the first token
 to emit), temperature fp32, top_k int32/int64 (<= 0 or >= V: off), top_p fp32 (>= 1: off).
+A sampled row's temperature must make log2(e) / T a normal fp32 (T in about [1.2e-38, 1.2e38]: an
+infinite scale gives NaN weights and token -1; a subnormal one reads as greedy where the kernel is
+built with fast math) and top_p must not be NaN. Values are not checked here (on a GPU that is a host
+sync per call); engine.runner.SamplingParams checks them per request.
 Semantics, the random-stream mapping and the test thresholds: docs/sampling.md.
 
 Backends: `tilelang` (engine.h20_ops.fused_sample_sm90), `triton`
@@ -29,6 +33,7 @@ from engine.h20_ops.fused_sample_ref import DRAW_DRAFT, DRAW_SAMPLE, sampling_sc
 
 TILELANG_KERNEL_MODULE = "engine.h20_ops.fused_sample_sm90"
 BACKENDS = ("ref", "triton", "tilelang")
+MAX_VOCAB = 2**31 - 2**16  # the kernels' int32 block loops step past V by up to one block
 LOGIT_DTYPES = (torch.float32, torch.bfloat16)
 
 _selector = BackendSelector("fused_sample", TILELANG_KERNEL_MODULE)
@@ -59,8 +64,8 @@ def _check_logits(name: str, logits, ndim: int) -> None:
     require_last_dim_contiguous(name, logits)
     if logits.size(-1) < 1:
         raise ValueError(f"{name}: expected a vocabulary of at least 1 entry, got shape {tuple(logits.shape)}")
-    if logits.size(-1) >= 2**31:
-        raise ValueError(f"{name}: expected a vocabulary below 2^31 entries, got {logits.size(-1)}")
+    if logits.size(-1) > MAX_VOCAB:
+        raise ValueError(f"{name}: expected a vocabulary of at most 2^31 - 2^16 entries, got {logits.size(-1)}")
 
 
 def _check_request(name: str, t, n: int, dtypes: tuple[torch.dtype, ...]) -> None:
@@ -94,7 +99,7 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, t
            backend: str | None = None) -> torch.Tensor:
     """Temperature + top-k + top-p sampling of one token per row: tokens [N] int64."""
     _check_logits("logits", logits, 2)
-    if draw not in (DRAW_SAMPLE, DRAW_DRAFT):
+    if isinstance(draw, bool) or not isinstance(draw, int) or draw not in (DRAW_SAMPLE, DRAW_DRAFT):
         raise ValueError(f"draw: expected DRAW_SAMPLE ({DRAW_SAMPLE}) or DRAW_DRAFT ({DRAW_DRAFT}), got {draw!r}")
     args = _request_tensors("logits", logits, seeds, positions, temperature, top_k, top_p)
     return _implementation(backend).sample(logits, *args, draw)

@@ -17,8 +17,9 @@ the same tokens as engine.h20_ops.fused_sample_triton, operation for operation:
   from the side that failed, or for top-p over a wider key span from the start; a pass
   keeps per-thread sums and reduces them once. The sampled index by a chunk scan then a bisection
   inside the chunk (no scan primitive needed).
-Constraints: logits rows contiguous (the wrapper copies otherwise); V < 2^31.
-Deliberate deviations from TileLang defaults: fast math (for the exp2 above) and no automatic
+Constraints: logits rows contiguous (the wrapper copies otherwise); V <= fused_sample.MAX_VOCAB.
+Deliberate deviations from TileLang defaults: fast math (for the exp2 above; it also flushes fp32
+subnormals, so logits that differ only below 1.2e-38 may break a greedy tie unlike Triton) and no automatic
 safe-memory guards (all loads are guarded by hand; the guards made lowering take minutes). T.rng_*
 include curand_kernel.h: curand_include_flags() finds it in pip's CUDA wheels if the toolkit lacks it.
 No `from __future__ import annotations` here: TileLang evaluates the kernels' annotations.

@@ -246,7 +246,8 @@ def _decode_e4m3(code):
     mant = code & 7
     normal = (((exp_field + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
     value = tl.where(exp_field == 0, mant.to(tl.float32) * 0.001953125, normal)
-    return tl.where((code & 0x80) != 0, -value, value)
+    # The sign as a bit: Triton's -x is 0 - x, which turns code 0x80 (-0) into +0.
+    return (value.to(tl.int32, bitcast=True) | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
