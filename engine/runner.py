@@ -56,6 +56,7 @@ from engine.model.hf_oracle import load_hf_model
 from engine.model.nextn import load_nextn_layer
 
 PAGE_SIZE = 64
+DEFAULT_MAX_SEQ_LEN = 4096
 _FP32 = torch.finfo(torch.float32)
 
 
@@ -131,7 +132,7 @@ class _Active:
 
 class Engine:
     def __init__(self, checkpoint_dir, *, device="cpu", dtype: torch.dtype = torch.float32,
-                 kv_cache_dtype: str = "auto", max_batch_size: int = 8, max_seq_len: int = 4096,
+                 kv_cache_dtype: str = "auto", max_batch_size: int = 8, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
                  num_speculative_tokens: int = 1):
         """checkpoint_dir: HF-format DeepSeek-V4 directory (engine.model.tiny writes one).
         kv_cache_dtype: "auto" (rows in `dtype`) or "fp8" (MODEL1 layout). max_seq_len bounds
@@ -258,6 +259,8 @@ class Engine:
             if r.request_id in seen:
                 raise ValueError(f"requests[{i}]: duplicate request_id {r.request_id!r}")
             seen.add(r.request_id)
+            if not isinstance(r.prompt_ids, list):
+                raise TypeError(f"requests[{i}].prompt_ids: expected a list of ints, got {type(r.prompt_ids).__name__}")
             if not r.prompt_ids:
                 raise ValueError(f"requests[{i}].prompt_ids: expected at least one token")
             bad = [t for t in r.prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]

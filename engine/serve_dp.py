@@ -18,10 +18,11 @@ every GPU rank before the group is created.
 Failure handling -- nothing waits forever:
 - an exception in a rank (engine construction, serving) is caught into that rank's record (type, text,
   traceback); the rank still takes part in the gather, so the failure is reported by rank 0;
-- before the gather, every rank marks itself ready in the group's store; rank 0 waits for all marks up
-  to the run deadline and then publishes a verdict. If a rank is missing (hung, crashed, or its group
-  init failed) a collective would hang, so instead every present rank sends its own record to the
-  launcher and rank 0 names the missing ranks;
+- before the gather, every rank marks itself ready in the group's store ("ok", or "no-group" when its
+  group init failed); rank 0 waits for all marks up to the run deadline and then publishes a verdict.
+  If a rank is absent (hung, crashed) or has no group, a collective would hang, so instead every rank
+  that marked itself sends its own record (with its own error) to the launcher, and rank 0 names the
+  absent ranks and those without a group;
 - the collectives carry a timeout (init_process_group(timeout=...)), and the launcher is a watchdog:
   GRACE_S after the deadline it kills every rank still running and reports each one that gave nothing.
 
@@ -96,8 +97,8 @@ class DPJob:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {self.max_new_tokens!r}")
         if not self.control_prompt or any(len(p) == 0 for p in self.prompts):
             raise ValueError("prompts/control_prompt: every prompt needs at least one token")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s: expected > 0, got {self.timeout_s!r}")
+        if not 0 < self.timeout_s < 10**7:  # also refuses nan and inf (a timedelta of them overflows in the ranks)
+            raise ValueError(f"timeout_s: expected a number of seconds in (0, 1e7), got {self.timeout_s!r}")
         if self.sampling is not None:
             from engine.runner import SamplingParams
 
@@ -260,12 +261,15 @@ def _report_dispatch_state(record: RankRecord) -> None:
             record.module_not_found_failures = 1
 
 
-def _wait_ready(store, ranks: int, deadline: float) -> list[int]:
-    """Ranks whose ready mark is missing or says their group init failed, after waiting to `deadline`."""
+def _wait_ready(store, ranks: int, deadline: float) -> tuple[list[int], list[int]]:
+    """(ranks without a ready mark, ranks whose mark says their group init failed), after waiting for
+    every mark up to `deadline`."""
     keys = [f"deepinfer/ready/{r}" for r in range(ranks)]
     while time.time() < deadline and not store.check(keys):
         time.sleep(0.2)
-    return [r for r, k in enumerate(keys) if not store.check([k]) or store.get(k) != b"ok"]
+    absent = [r for r, k in enumerate(keys) if not store.check([k])]
+    no_group = [r for r, k in enumerate(keys) if r not in absent and store.get(k) != b"ok"]
+    return absent, no_group
 
 
 def _rank_main(rank: int, job: DPJob, store_path: str, backend: str, deadline: float, out_queue) -> None:
@@ -304,8 +308,10 @@ def _rank_main(rank: int, job: DPJob, store_path: str, backend: str, deadline: f
             raise RuntimeError("the rank could not open the group's store")
         store.set(f"deepinfer/ready/{rank}", "ok" if group_ok else "no-group")
         if rank == 0:
-            missing = _wait_ready(store, job.ranks, deadline)
-            store.set("deepinfer/verdict", ",".join(map(str, missing)) or "gather")
+            absent, no_group = _wait_ready(store, job.ranks, deadline)
+            verdict = "gather" if not absent and not no_group else \
+                f"absent={','.join(map(str, absent))};no-group={','.join(map(str, no_group))}"
+            store.set("deepinfer/verdict", verdict)
         else:
             store.set_timeout(timedelta(seconds=max(1.0, deadline + VERDICT_WAIT_S - time.time())))
             store.wait(["deepinfer/verdict"])
@@ -317,7 +323,7 @@ def _rank_main(rank: int, job: DPJob, store_path: str, backend: str, deadline: f
                 out_queue.put(("gathered", records))
             gathered = True
         elif rank == 0:
-            out_queue.put(("missing", [int(r) for r in verdict.split(",")]))
+            out_queue.put(("no gather", (absent, no_group)))
     except Exception as exc:
         out_queue.put(("note", f"rank {rank}: result exchange failed: {type(exc).__name__}: {exc}"))
     if not gathered:
@@ -363,27 +369,34 @@ def serve(job: DPJob, progress: Callable[[str], None] | None = None) -> DPResult
         if progress:
             progress(f"{job.ranks} ranks started ({backend})")
 
-        missing: set[int] = set()
+        absent: set[int] = set()
+        verdict_seen = False
 
         def take(msg) -> None:
-            nonlocal gathered
+            nonlocal gathered, verdict_seen
             kind, payload = msg
             if kind == "gathered":
                 gathered = True
                 by_rank.update({r.rank: r for r in payload})
             elif kind == "record":
                 by_rank.setdefault(payload.rank, payload)
-            elif kind == "missing":
-                missing.update(payload)
-                notes.append(f"rank 0 stopped waiting for ranks {payload} at the deadline; no gather")
+            elif kind == "no gather":
+                verdict_seen = True
+                absent_ranks, no_group = payload
+                absent.update(absent_ranks)
+                if absent_ranks:
+                    notes.append(f"rank 0 stopped waiting for ranks {absent_ranks} at the deadline; no gather")
+                if no_group:
+                    notes.append(f"ranks {no_group} could not join the process group (their records say why); "
+                                 "no gather")
             else:
                 notes.append(payload)
 
         def done() -> bool:
             if gathered or len(by_rank) == job.ranks:
                 return True
-            # after rank 0's verdict, every rank that is not missing reports its own record
-            return bool(missing) and all(r in by_rank for r in range(job.ranks) if r not in missing)
+            # after rank 0's verdict, every rank that is not absent reports its own record
+            return verdict_seen and all(r in by_rank for r in range(job.ranks) if r not in absent)
 
         while not done() and time.time() < deadline + GRACE_S:
             try:
@@ -393,7 +406,7 @@ def serve(job: DPJob, progress: Callable[[str], None] | None = None) -> DPResult
                     break
         killed_after: dict[int, float] = {}
         for r, p in enumerate(procs):
-            p.join(timeout=0.0 if r in missing else max(0.0, min(10.0, deadline + GRACE_S - time.time())))
+            p.join(timeout=0.0 if r in absent else max(0.0, min(10.0, deadline + GRACE_S - time.time())))
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 import engine.h20_ops  # noqa: E402,F401  (sets TRITON_INTERPRET=1 on CPU-only machines before kernels load)
 from engine import config, serve_dp  # noqa: E402
-from engine.runner import SamplingParams  # noqa: E402
+from engine.runner import DEFAULT_MAX_SEQ_LEN, SamplingParams  # noqa: E402
 
 SCHEMA = "deepinfer-e2e-report/1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -171,6 +171,8 @@ def evaluate_run(label: str, environ: dict, result: serve_dp.DPResult, prompts: 
         failures.append(f"DP ranks agreeing on the control prompt: {agreeing}/{n}")
     control = {"agreeing": agreeing, "ranks": n, "output_ids": control_ids,
                "text": decode(control_ids) if control_ids is not None else None, "oracle": None}
+    if control_ids is not None and len(control_ids) != len(oracle[-1][0]):
+        failures.append(f"control prompt: {len(control_ids)} tokens, expected {len(oracle[-1][0])}")
     if control_ids is not None:
         holder = next(r for r in result.records
                       if r.completions.get(serve_dp.CONTROL_REQUEST_ID, {}).get("output_ids") == control_ids)
@@ -191,6 +193,8 @@ def evaluate_run(label: str, environ: dict, result: serve_dp.DPResult, prompts: 
         else:
             row["output_ids"] = done["output_ids"]
             row["text"] = decode(done["output_ids"])
+            if len(done["output_ids"]) != len(oracle[i][0]):  # the engine ignores EOS: always max_new_tokens
+                failures.append(f"prompt {i}: {len(done['output_ids'])} tokens, expected {len(oracle[i][0])}")
             row["oracle"] = oracle_agreement(done["output_ids"], done["step_logits"], *oracle[i])
             if strict_oracle and not row["oracle"]["tokens_equal"]:
                 failures.append(f"prompt {i}: tokens differ from the oracle after {row['oracle']['shared_prefix']} "
@@ -378,8 +382,10 @@ def parse_args(argv):
     for name in ("ranks", "prompts", "max_new_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
-    if args.timeout <= 0:
-        ap.error(f"--timeout: expected > 0, got {args.timeout}")
+    if not 0 < args.timeout < 1e7:  # DPJob's range (nan and inf included)
+        ap.error(f"--timeout: expected seconds in (0, 1e7), got {args.timeout}")
+    if args.temperature == 0 and (args.top_k, args.top_p, args.seed) != (0, 1.0, 0):
+        ap.error("--top-k / --top-p / --seed: they apply to sampled decoding only; add --temperature > 0")
     return args
 
 
@@ -413,6 +419,11 @@ def main(argv=None) -> int:
         tokenizer = load_tokenizer(checkpoint)
         prompts = [tokenizer.encode(t) for t in prompt_texts(args.prompts)]
         control = tokenizer.encode(CONTROL_TEXT)
+        longest = max(map(len, prompts + [control]))
+        if longest + args.max_new_tokens > DEFAULT_MAX_SEQ_LEN:
+            print(f"e2e_report: error: --max-new-tokens: the longest prompt ({longest} tokens) + {args.max_new_tokens} "
+                  f"exceeds the engine's max_seq_len {DEFAULT_MAX_SEQ_LEN}", file=sys.stderr)
+            return 2
         progress(f"checkpoint {checkpoint} ({time.perf_counter() - t0:.1f} s); {len(prompts)} prompts "
                  f"({min(map(len, prompts))}..{max(map(len, prompts))} tokens) + 1 control prompt")
 

@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ]; then
-    source scripts/python_env.sh
+    source scripts/python_env.sh "hf,interpreter"  # explicit: a sourced script would see this one's flags as $1
 else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi

@@ -1,9 +1,10 @@
 # Sourced by the user-facing scripts: sets PYTHON to an interpreter that has what the project needs.
 #  - If python3 already imports torch, triton, transformers and safetensors (a GPU image, an offline
 #    node), use it with the repository on PYTHONPATH: nothing is installed.
-#  - Otherwise (a fresh CPU machine) create .venv once and install the CPU build of torch explicitly
-#    (an unpinned torch would resolve to a multi-GB CUDA build), then the project with the extras
-#    given as the first argument (default "hf,interpreter").
+#  - Otherwise (a fresh CPU machine) create .venv once and install torch==2.13.0 explicitly (the
+#    project's CPU machines hold its CPU build on disk, which pip takes; an unpinned torch would
+#    resolve to a multi-GB CUDA build), then the project with the extras given as the first argument
+#    (default "hf,interpreter"; a sourcing script must pass it: otherwise $1 is that script's own).
 _repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _extras="${1:-hf,interpreter}"
 if python3 -c "import torch, triton, transformers, safetensors" >/dev/null 2>&1; then

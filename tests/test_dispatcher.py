@@ -107,6 +107,30 @@ def test_unset_with_simulated_absence_picks_triton_through_a_real_import(fresh_p
         importlib_import("tilelang.language")
 
 
+def test_simulation_is_read_when_tilelang_is_imported_not_at_engine_import(tmp_path):
+    """A DP rank inherits the launcher's environment, imports the engine, then applies its job's
+    variables: DEEPINFER_SIMULATE_NO_TILELANG=0 set after the import must leave TileLang importable
+    (the --compare report's "TileLang present" run)."""
+    import subprocess
+
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import importlib.util, os\n"
+        "import engine.h20_ops.sparse_mla\n"
+        "os.environ['DEEPINFER_SIMULATE_NO_TILELANG'] = '0'\n"
+        "from engine.h20_ops import backend_select\n"
+        "blocked = any(isinstance(f, backend_select._BlockTileLang) for f in __import__('sys').meta_path)\n"
+        "print('hook', blocked)\n"
+        "if importlib.util.find_spec('tilelang') is not None:\n"
+        "    import tilelang  # noqa: F401\n"
+        "    print('tilelang imported')\n")
+    env = {**os.environ, "DEEPINFER_SIMULATE_NO_TILELANG": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("hook False\n")
+
+
 def importlib_import(name):
     import importlib
     return importlib.import_module(name)
@@ -140,10 +164,10 @@ def test_simulation_also_hides_an_already_imported_tilelang(fresh_process):
             package.__dict__[attr] = saved_attr
 
 
-def test_simulation_from_the_start_blocks_explicit_backends_too(tmp_path):
-    """DEEPINFER_SIMULATE_NO_TILELANG=1 in a new process: before any resolution, an explicit
-    backend='tilelang' argument (prefill, paged fp8, sampling) is a clear error and every TileLang
-    import fails."""
+def test_simulation_blocks_explicit_backends_too(tmp_path):
+    """DEEPINFER_SIMULATE_NO_TILELANG=1 in a new process: with no resolution, an explicit
+    backend='tilelang' argument (prefill, paged fp8, sampling) is a clear error, and every TileLang
+    import after it fails."""
     import subprocess
 
     script = tmp_path / "probe.py"

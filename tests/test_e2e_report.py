@@ -196,6 +196,24 @@ def test_hung_and_crashed_ranks_do_not_hang_the_run():
     assert crashed.error["type"] == "NoResult" and "exited with code 7" in crashed.error["message"]
 
 
+def test_ranks_failing_before_the_group_report_their_own_errors():
+    """Every rank fails before init_process_group (a bad DEEPINFER_* value): no gather is possible, but
+    each rank's record still arrives with its own error, not a watchdog's "no result"."""
+    start = time.time()
+    result = serve_dp.serve(fake_job(ranks=2, environ=[("DEEPINFER_KERNELS", "bogus")], timeout_s=60.0))
+    assert time.time() - start < 45  # nothing waits for the deadline
+    assert not result.gathered and any("could not join the process group" in n for n in result.notes)
+    for rec in result.records:
+        assert not rec.ok and rec.error["type"] == "ConfigError", rec.error
+        assert "DEEPINFER_KERNELS='bogus'" in rec.error["message"]
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, float("inf"), float("nan")])
+def test_dp_job_timeout_must_be_finite_and_positive(timeout_s):
+    with pytest.raises(ValueError, match="^timeout_s: expected a number of seconds"):
+        fake_job(timeout_s=timeout_s)
+
+
 def fake_oracle(salt=0):
     return [(fake_tokens(list(p), 5, salt), np.eye(VOCAB, dtype=np.float32)[fake_tokens(list(p), 5, salt)])
             for p in PROMPTS + (CONTROL,)]
@@ -305,6 +323,53 @@ def test_sampling_flags_are_validated_and_seeded_per_prompt(capsys):
         assert f"error: {flag}: expected" in capsys.readouterr().err
     with pytest.raises(TypeError, match="sampling: expected a SamplingParams"):
         DPJob(FakeFactory(), PROMPTS, CONTROL, 5, sampling={"temperature": 0.8})
+    for argv, message in ((["--top-k", "5"], "--top-k / --top-p / --seed: they apply to sampled decoding only"),
+                          (["--seed", "3"], "add --temperature > 0"),
+                          (["--timeout", "inf"], "--timeout: expected seconds in (0, 1e7)"),
+                          (["--timeout", "nan"], "--timeout: expected seconds")):
+        with pytest.raises(SystemExit):
+            e2e_report.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_short_answers_fail_every_mode():
+    """The engine ignores EOS, so every answer has max_new_tokens tokens; a rank that returns fewer
+    fails the run also where tokens are not compared with the oracle (bf16, sampled)."""
+    result = synthetic_result()
+    for rec in result.records:
+        for done in rec.completions.values():
+            done["output_ids"] = done["output_ids"][:1]
+            done["step_logits"] = done["step_logits"][:1]
+    run = e2e_report.evaluate_run("short", {}, result, [list(p) for p in PROMPTS], fake_oracle(), False, str)
+    assert not run["ok"]
+    assert "prompt 0: 1 tokens, expected 5" in run["failures"] and "control prompt: 1 tokens, expected 5" in run["failures"]
+
+
+def test_launcher_script_passes_its_flags_to_the_report_not_to_the_setup(tmp_path):
+    """h20_e2e_report.sh on a fresh machine sources python_env.sh, which takes the extras to install as
+    its first argument: the report's flags must not become pip extras. Stubs stand in for python3
+    (without torch) and the venv's python (records its arguments)."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for name in ("h20_e2e_report.sh", "python_env.sh"):
+        (repo / "scripts" / name).write_text((ROOT / "scripts" / name).read_text())
+    calls = tmp_path / "calls.txt"
+    venv_bin = repo / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    stub_bin = tmp_path / "bin"
+    stub_bin.mkdir()
+    (stub_bin / "python3").write_text("#!/bin/sh\nexit 1\n")  # a python3 without the project's packages
+    for stub in (venv_bin / "python", stub_bin / "python3"):
+        stub.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env["PATH"] = f"{stub_bin}:{env['PATH']}"
+    proc = subprocess.run(["bash", str(repo / "scripts" / "h20_e2e_report.sh"), "--prompts", "8"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = calls.read_text().splitlines()
+    assert f"-m pip install -q -e {repo}[hf,interpreter]" in lines
+    assert lines[-1] == "scripts/e2e_report.py --prompts 8"
 
 
 def test_sampled_compare_report_agrees_token_by_token(tmp_path, monkeypatch, capsys):

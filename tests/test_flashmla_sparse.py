@@ -154,14 +154,41 @@ def test_topk_length_including_zero():
     s_q, h_q, d_qk, s_kv, topk = 7, 64, 512, 200, 130
     gen, q, kv = make_inputs(41, s_q, h_q, d_qk, s_kv)
     indices = random_indices(gen, s_q, s_kv, topk, n_valid=topk, fillers=(-1,))
-    topk_length = torch.tensor([0, 1, 63, 64, 65, 130, 500], dtype=torch.int32)
+    topk_length = torch.tensor([0, 1, 63, 64, -255, 130, 500], dtype=torch.int32)
     # Entries past topk_length are still in range: only the length masks them. Poison what only they select.
     kept = torch.where(torch.arange(topk)[None, :] < topk_length[:, None].long(), indices[:, 0, :], -1)
     kv = poison_unselected(kv, kept[:, None, :])
     sink = torch.randn(h_q, generator=gen)
     out, max_logits, lse, _ = check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=sink,
                                                    topk_length=topk_length)
-    assert (out[0].float() == 0).all() and torch.isneginf(max_logits[0]).all() and torch.isposinf(lse[0]).all()
+    for row in (0, 4):  # 0 and negative lengths: empty
+        assert (out[row].float() == 0).all() and torch.isneginf(max_logits[row]).all()
+        assert torch.isposinf(lse[row]).all()
+
+
+def test_nan_sink_leaves_empty_rows_zero_and_nan_rows_are_not_empty():
+    """Empty rows are 0 / lse +inf whatever the sink (a NaN one too); a NaN in a selected kv row makes
+    that row's out and lse NaN (as the oracle's), never an "empty" +inf lse that an lse merge would
+    silently drop."""
+    s_q, h_q, d_qk, s_kv, topk = 4, 64, 512, 64, 16
+    gen, q, kv = make_inputs(66, s_q, h_q, d_qk, s_kv)
+    indices = random_indices(gen, s_q, s_kv, topk, n_valid=12, fillers=(-1,))
+    indices[2] = -1  # empty by indices
+    topk_length = torch.tensor([topk, topk, topk, 0], dtype=torch.int32)  # row 3 empty by length
+    nan_row = int(indices[1, 0, indices[1, 0] >= 0][0])
+    indices[0, 0][indices[0, 0] == nan_row] = -1  # only row 1 selects the NaN row
+    kv[nan_row, 0, 7] = float("nan")
+    sink = torch.randn(h_q, generator=gen)
+    sink[5] = float("nan")
+    sink[6] = float("inf")
+    out, _, lse = (t.cpu() for t in flash_mla_sparse_fwd(q.to(DEVICE), kv.to(DEVICE), indices.to(DEVICE),
+                                                          d_qk ** -0.5, attn_sink=sink.to(DEVICE),
+                                                          topk_length=topk_length.to(DEVICE)))
+    ref = sparse_mla_prefill_ref(q, kv, indices, d_qk ** -0.5, attn_sink=sink, topk_length=topk_length)
+    assert (out[2:].float() == 0).all() and torch.isposinf(lse[2:]).all()
+    assert torch.isnan(lse[1]).all() and torch.isnan(out[1].float()).all()
+    assert_close("out", out, ref.out, **OUT_TOL)
+    assert_close("lse", lse, ref.lse, **STAT_TOL)
 
 
 def test_sink_plus_minus_inf_and_finite():
@@ -329,12 +356,15 @@ def test_long_s_q_beyond_grid_axis_limit():
 def test_several_items_per_cta_with_empty_items(h_q, d_qk):
     """The SM90 kernel's grid is persistent (one CTA per SM, each serving many query x head-tile
     items, its buffer phases running on across them): 300 queries with a third of them empty
-    (topk_length 0) between the others, odd block counts, sinks +-inf, NaN in unselected rows."""
+    (topk_length 0 or negative) between the others, odd block counts, sinks +-inf, NaN in unselected
+    rows."""
     s_q, s_kv, topk = 300, 2000, 200
     gen, q, kv = make_inputs(121 + h_q, s_q, h_q, d_qk, s_kv)
     indices = random_indices(gen, s_q, s_kv, topk, n_valid=170, fillers=(-1, s_kv, INT32_MIN))
     topk_length = torch.randint(0, topk + 1, (s_q,), generator=gen, dtype=torch.int32)
     topk_length[torch.rand(s_q, generator=gen) < 0.33] = 0
+    negative = torch.tensor([-1, -255, -1000, INT32_MIN], dtype=torch.int32)  # empty too (-255 and below once hung)
+    topk_length[3::37] = negative[torch.arange(len(topk_length[3::37])) % 4]
     kept = torch.where(torch.arange(topk)[None, :] < topk_length[:, None].long(), indices[:, 0, :], -1)
     kv = poison_unselected(kv, kept[:, None, :])
     sink = torch.randn(h_q, generator=gen)

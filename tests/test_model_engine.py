@@ -386,6 +386,9 @@ def test_engine_rejects_bad_requests(checkpoint, backend_env):
             engine.generate(requests)
     with pytest.raises(TypeError, match="requests"):
         engine.generate(Request("a", [5], 2))
+    for prompt in ((5, 6), torch.tensor([5, 6])):
+        with pytest.raises(TypeError, match=r"^requests\[0\]\.prompt_ids: expected a list of ints"):
+            engine.generate([Request("a", prompt, 2)])
     assert engine.generate([]) == []
     _all_pages_free(engine)
 

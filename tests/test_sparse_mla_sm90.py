@@ -294,6 +294,23 @@ def test_all_invalid_and_zero_lengths():
 
 
 @pytest.mark.gpu
+def test_nan_sink_and_nan_rows():
+    """A NaN sink leaves empty rows 0 / lse +inf (negative lengths are empty too); a NaN in a row that
+    a query selects makes its out and lse NaN, as in the oracle, not an empty row's +inf."""
+    q, kv, idx, _, _ = _case(6, 128, 64, 512, 128, seed=5, invalid_frac=0.0)
+    sink = torch.randn(64, device="cuda")
+    sink[3] = float("nan")
+    lengths = torch.tensor([128, 128, 0, -255, -2**31, 128], dtype=torch.int32, device="cuda")
+    nan_row = int(idx[1, 0])
+    idx[[0, 2, 3, 4, 5]] = torch.where(idx[[0, 2, 3, 4, 5]] == nan_row, -1, idx[[0, 2, 3, 4, 5]])
+    kv[nan_row, 0, 9] = float("nan")
+    out, lse = importlib.import_module(MODULE).sparse_mla_fwd_sm90(q, kv, idx, 0.05, 512, sink, lengths)
+    assert torch.all(out[[0, 2, 3, 4]] == 0) and torch.all(lse[[0, 2, 3, 4]] == float("inf"))  # row 0: _case's empty row
+    assert torch.isnan(lse[1]).all() and torch.isnan(out[1].float()).all()
+    assert torch.isnan(out[5, 3].float()).all() and torch.isfinite(out[5, :3].float()).all()
+
+
+@pytest.mark.gpu
 def test_no_recompile_for_new_lengths():
     sm90 = importlib.import_module(MODULE)
     _check_against_oracle(*_case(5, 200, 64, 512, 64, seed=11), sm_scale=0.04)

@@ -48,13 +48,3 @@ def require_interpretable_numpy(kernel: str) -> None:
                            f"this kernel's runtime-bounded loop, found numpy {numpy.__version__} "
                            f"(pip install 'numpy<2.4', or the project's `interpreter` extra)")
 
-
-# DEEPINFER_SIMULATE_NO_TILELANG=1 blocks tilelang before any module of this package can import it
-# (explicit backends and direct kernel-module imports included); each resolution installs the block
-# again, for a variable set after this import.
-from engine import config as _config  # noqa: E402
-
-if _config.simulate_no_tilelang():
-    from engine.h20_ops.backend_select import install_tilelang_block
-
-    install_tilelang_block()

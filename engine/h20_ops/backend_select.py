@@ -4,9 +4,11 @@ Auto resolution imports the op's TileLang kernel module: only a ModuleNotFoundEr
 itself means "TileLang missing" (-> triton); anything else, a ModuleNotFoundError for one of
 TileLang's submodules or dependencies included (a partial install), is a broken install and
 propagates. Without CUDA, auto is always triton (TileLang kernels only run on an SM90 GPU; Triton runs
-under its interpreter). DEEPINFER_SIMULATE_NO_TILELANG=1 installs an import hook (when engine.h20_ops
-is imported, and again before every resolution) so that every import of tilelang, explicit backends
-included, fails as on a node without TileLang. The result and its reason are logged once per process,
+under its interpreter). DEEPINFER_SIMULATE_NO_TILELANG=1 installs an import hook before every
+resolution and every import of a TileLang module through this module (explicit backends included), so
+that from then on every import of tilelang fails as on a node without TileLang. The variable is read
+then, not at import time: a process (a DP rank) that sets it after importing the engine gets what it
+set. The result and its reason are logged once per process,
 with the DP rank when torch.distributed is initialized.
 """
 
@@ -74,6 +76,8 @@ def import_tilelang_module(module: str):
     anything else that fails (a missing TileLang submodule or dependency, a bad binary) is a broken
     install: ImportError / the original error."""
     _TILELANG_KERNEL_MODULES.add(module)
+    if config.simulate_no_tilelang():
+        install_tilelang_block()
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:

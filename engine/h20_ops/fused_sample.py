@@ -1,6 +1,7 @@
 """fused_sample: token selection from logits on one Philox stream, TileLang or Triton.
 
-Ops (one kernel launch per batch each):
+Ops (one sampling-kernel launch per batch each, after a few torch elementwise ops that turn the
+temperatures into fp32 scales and top_k into int64):
 - greedy_sample(logits [N, V]) -> tokens [N] int64 (first index of the maximum).
 - sample(logits [N, V], seeds, positions, temperature, top_k, top_p, draw=DRAW_SAMPLE) -> tokens [N]
   int64: temperature + top-k + top-p sampling; temperature <= 0 means greedy for that row. The

@@ -1,8 +1,9 @@
 """fp8 paged KV cache: DeepSeek-V4 "MODEL1" and DeepSeek-V3.2 layouts, byte-exact.
 
 A cache is a uint8 (or float8_e4m3fn) tensor [num_blocks, block_size, 1, bytes_per_token], the
-shape FlashMLA's fp8 decode takes; only its last dim must be contiguous and its block stride
-(stride(0), bytes) may exceed block_size * bytes_per_token. A slot is `block * block_size + offset`.
+shape FlashMLA's fp8 decode takes; its last dim contiguous, its token stride bytes_per_token, its
+base and block stride (stride(0), bytes; may exceed block_size * bytes_per_token) 4-byte aligned.
+A slot is `block * block_size + offset`.
 
 Layouts (bytes; all little-endian):
   MODEL1 (V4, d 512 = 448 NoPE + 64 RoPE, 584 B/token), per PAGE BLOCK, not per token:

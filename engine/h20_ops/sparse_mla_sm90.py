@@ -281,18 +281,19 @@ def consumer_parts(h_q: int, d_qk: int, after_ready=None) -> types.SimpleNamespa
                 if p == ns.n_pairs - 1:
                     T.barrier_arrive(ns.q_free)
                 softmax_and_pv(r, 0, ns.left, ns.scale2, p < ns.n_pairs - 1)
-            # Row sum = both consumers' shares (same max); consumer 0 writes lse.
+            # Row sum = both consumers' shares (same max); consumer 0 writes lse. Empty rows have a sum
+            # of exactly 0; a NaN sum (NaN in a selected row) is not empty and stays NaN (the oracle's).
             T.sync_threads(BAR_SUM, 256)
             for h in T.Parallel(H):
                 r.sumexp[h] += ns.sum_smem[h]
-                lse[h] = T.if_then_else(r.sumexp[h] > 0, T.log2(r.sumexp[h]) + r.m_run[h],
+                lse[h] = T.if_then_else(r.sumexp[h] != 0, T.log2(r.sumexp[h]) + r.m_run[h],
                                         T.infinity(f32))
-                final[h] = T.if_then_else(r.sumexp[h] > 0, 1.0 / r.sumexp[h], 0.0)
+                final[h] = T.if_then_else(r.sumexp[h] != 0, 1.0 / r.sumexp[h], 0.0)
             if ns.use_sink != 0:
                 for h in T.Parallel(H):
                     # Empty rows keep 0: their lse is +inf and a +inf sink would give inf - inf.
                     final[h] = T.if_then_else(
-                        r.sumexp[h] > 0, final[h] / (1.0 + T.exp2(ns.Sink[h0 + h] * LOG2E - lse[h])), 0.0)
+                        r.sumexp[h] != 0, final[h] / (1.0 + T.exp2(ns.Sink[h0 + h] * LOG2E - lse[h])), 0.0)
             T.copy(final, ns.final_smem)
             T.copy(lse, ns.Lse[s_i, h0:h0 + H])
             T.named_barrier_arrive(BAR_FINAL, 256)

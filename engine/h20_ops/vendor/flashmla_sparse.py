@@ -1,9 +1,10 @@
 """Sparse MLA prefill in pure Triton, implementing FlashMLA's `flash_mla_sparse_fwd` contract.
 
 Two kernels, chosen by dtype, device and layout before launching (never as a fallback after a
-failure): bf16 on an SM90 GPU with 16-byte aligned rows runs the warp-specialized Gluon kernel of
-flashmla_sparse_sm90.py; float32, other GPUs, Triton's interpreter (CPU tests) and rows that 16-byte
-cp.async cannot read (see runs_sm90_kernel) run the portable tl kernel below. Both implement the
+failure): bf16 on an SM90 GPU with 16-byte aligned q / kv pointers and row strides that are multiples
+of 16 elements runs the warp-specialized Gluon kernel of flashmla_sparse_sm90.py; float32, other GPUs,
+Triton's interpreter (CPU tests) and other layouts (see runs_sm90_kernel) run the portable tl kernel
+below. Both implement the
 contract stated here and are tested against the fp32 oracle (tests/test_flashmla_sparse.py; on an SM90
 GPU both kernels). On SM90 both use programmatic dependent launch: they wait for the previous kernel of
 the stream (griddepcontrol.wait) before touching memory, so their launch overlaps that kernel's end.
@@ -77,7 +78,7 @@ def _sparse_mla_fwd_kernel(
     # neighbours, so they gather the same kv rows close in time (L2 hits).
     pid = tl.program_id(0)
     query = (pid // H_TILES).to(tl.int64)
-    heads = (pid % H_TILES) * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = ((pid % H_TILES) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)  # x head strides: 64-bit
     cols = tl.arange(0, D_V)
 
     q_rows = q_ptr + query * stride_q_s + heads[:, None] * stride_q_h
@@ -136,16 +137,18 @@ def _sparse_mla_fwd_kernel(
         m = m_new
 
     # Rows without a valid entry (l == 0) get out 0, lse +inf; the *_safe values keep their
-    # discarded branch free of log(0), 1/0 and inf - inf.
-    has_valid = l > 0.0
+    # discarded branch free of log(0), 1/0 and inf - inf. A NaN row sum (NaN in a selected row) is
+    # not empty: it stays NaN, as in the oracle.
+    has_valid = l != 0.0
     l_safe = tl.where(has_valid, l, 1.0)
     lse_log2_safe = tl.where(has_valid, m + tl.log2(l_safe), 0.0)
     lse_log2 = tl.where(has_valid, lse_log2_safe, float("inf"))
     out_scale = tl.where(has_valid, 1.0 / l_safe, 0.0)
     if HAS_SINK:
-        # 1 / (1 + exp(sink - lse)): exact at sink = -inf (factor 1) and +inf (factor 0).
+        # 1 / (1 + exp(sink - lse)): exact at sink = -inf (factor 1) and +inf (factor 0); empty rows
+        # stay 0 whatever the sink (a NaN sink included).
         sink_log2 = tl.load(sink_ptr + heads * stride_sink) * 1.4426950408889634
-        out_scale = out_scale / (1.0 + tl.exp2(sink_log2 - lse_log2_safe))
+        out_scale = tl.where(has_valid, out_scale / (1.0 + tl.exp2(sink_log2 - lse_log2_safe)), 0.0)
     out = acc * out_scale[:, None]
     tl.store(out_ptr + query * stride_out_s + heads[:, None] * stride_out_h + cols[None, :],
              out.to(out_ptr.dtype.element_ty))

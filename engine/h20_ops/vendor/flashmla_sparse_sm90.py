@@ -85,7 +85,7 @@ def _producer(q_ptr, kv_ptr, idx_ptr, topk_length_ptr, n_items, s_kv, topk,
         head0 = (item % H_TILES) * BLOCK_H
         n_entries = topk
         if HAS_TOPK_LENGTH:
-            n_entries = gl.minimum(gl.load(topk_length_ptr + query * stride_topk_length), topk)
+            n_entries = gl.maximum(gl.minimum(gl.load(topk_length_ptr + query * stride_topk_length), topk), 0)
         idx_row = idx_ptr + query * stride_idx_s
         # Q of this item once both consumers finished the previous item's last S.
         mbarrier.wait(q_free, (it & 1) ^ 1, pred=it > 0)
@@ -143,7 +143,9 @@ def _consumer(C: gl.constexpr, idx_ptr, sink_ptr, topk_length_ptr, out_ptr, max_
         head0 = (item % H_TILES) * BLOCK_H
         n_entries = topk
         if HAS_TOPK_LENGTH:
-            n_entries = gl.minimum(gl.load(topk_length_ptr + query * stride_topk_length), topk)
+            # clamped at 0 (here and in the producer): cdiv rounds toward zero, so a length <= -255 would
+            # give a negative pair count and skip the q_free arrive of an item without pairs (a hang)
+            n_entries = gl.maximum(gl.minimum(gl.load(topk_length_ptr + query * stride_topk_length), topk), 0)
         idx_row = idx_ptr + query * stride_idx_s
         n_pairs = gl.cdiv(n_entries, 2 * BLOCK_K)
         m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)  # running max (log2 domain)
@@ -210,16 +212,18 @@ def _consumer(C: gl.constexpr, idx_ptr, sink_ptr, topk_length_ptr, out_ptr, max_
         mbarrier.wait(sum_bar.index(1 - C), it & 1)
         l = l + stats.index(3 - C + 2 * (it & 1)).load(row_s)
         # Rows without a valid entry (l == 0) get out 0, lse +inf; the *_safe values keep their
-        # discarded branch free of log(0), 1/0 and inf - inf.
-        has_valid = l > 0.0
+        # discarded branch free of log(0), 1/0 and inf - inf. A NaN row sum (NaN in a selected row) is
+        # not empty: it stays NaN, as in the oracle.
+        has_valid = l != 0.0
         l_safe = gl.where(has_valid, l, 1.0)
         lse_log2_safe = gl.where(has_valid, m + gl.log2(l_safe), 0.0)
         out_scale = gl.where(has_valid, 1.0 / l_safe, 0.0)
         heads = head0 + gl.arange(0, BLOCK_H, layout=row_s)
         if HAS_SINK:
-            # 1 / (1 + exp(sink - lse)): exact at sink = -inf (factor 1) and +inf (factor 0).
-            sink_log2 = gl.load(sink_ptr + heads * stride_sink) * 1.4426950408889634
-            out_scale = out_scale / (1.0 + gl.exp2(sink_log2 - lse_log2_safe))
+            # 1 / (1 + exp(sink - lse)): exact at sink = -inf (factor 1) and +inf (factor 0); empty rows
+            # stay 0 whatever the sink (a NaN sink included).
+            sink_log2 = gl.load(sink_ptr + heads.to(gl.int64) * stride_sink) * 1.4426950408889634
+            out_scale = gl.where(has_valid, out_scale / (1.0 + gl.exp2(sink_log2 - lse_log2_safe)), 0.0)
         out = (acc * gl.expand_dims(gl.convert_layout(out_scale, row_o), 1)).to(gl.bfloat16)
         out_rows = gl.expand_dims(out_ptr + query * stride_out_s
                                   + (head0 + head_rows).to(gl.int64) * stride_out_h, 1)
