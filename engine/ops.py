@@ -15,7 +15,8 @@ Ops (each also named in fallback_counts()):
     result in x's dtype. inverse=True rotates by the negated angle (transformers passes -sin), which
     undoes the rotation carried by V = K on the attention output.
   kv_quantize / kv_gather_dequant: the fp8 KV cache's write and read, from engine.h20_ops.kv_quant
-    (Triton kernels, ref = its torch reference; byte-identical by that module's contract).
+    (Triton kernels, ref = its torch reference; byte-identical by that module's contract, which
+    requires finite inputs: an inf / NaN row is written differently by the two and not checked).
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, stride_x, stride_out, eps, n_cols: tl.constexpr,
                          HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        # 64-bit rows: row * stride passes 2^31 at 64 heads x 512 from 65536 tokens on
+        rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = rows < n_rows
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_N):
@@ -173,7 +175,8 @@ def _rms_norm_triton(x, weight, eps):
         return out.view(x.shape)
     block_n = min(triton.next_power_of_2(n_cols), 1024)
     block_m = max(1, _elements_per_program() // block_n)
-    weight_arg = weight if weight is not None else rows  # never read when HAS_WEIGHT is False
+    # the kernel reads the weight densely; never read when HAS_WEIGHT is False
+    weight_arg = weight.contiguous() if weight is not None else rows
     grid = (triton.cdiv(rows.size(0), block_m),)
     _rms_norm_kernel[grid](rows, weight_arg, out, rows.size(0), rows.stride(0), out.stride(0), eps, n_cols=n_cols,
                            HAS_WEIGHT=weight is not None, BLOCK_M=block_m, BLOCK_N=block_n)
@@ -226,7 +229,7 @@ if triton is not None:
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, heads, half,
                      stride_x, stride_out, stride_cos, stride_sin, nope_dim: tl.constexpr, SIN_SIGN: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # 64-bit offsets, as above
         row_mask = rows < n_rows
         tokens = rows // heads
         x_rows = x_ptr + rows[:, None] * stride_x

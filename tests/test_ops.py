@@ -70,6 +70,27 @@ def test_rms_norm_non_contiguous_input():
     x = base[:, ::2]  # last dim strided
     w = torch.randn(256, device=DEVICE)
     torch.testing.assert_close(ops.rms_norm(x, w), _hf_rms_norm(x.contiguous(), w), atol=1e-5, rtol=1e-5)
+    w_strided = torch.randn(256, 2, device=DEVICE)[:, 0]
+    torch.testing.assert_close(ops.rms_norm(x, w_strided), _hf_rms_norm(x.contiguous(), w_strided.contiguous()),
+                               atol=1e-5, rtol=1e-5)
+    assert ops.fallback_counts() == {}
+
+
+def test_row_offsets_past_2_to_the_31():
+    """Rows whose start lies past 2^31 elements (q of 64 heads x 512 from 65536 tokens on): the kernels'
+    offsets are 64-bit. The 4 GiB tensor is allocated, never touched beyond the 5 rows used."""
+    stride = 2**29
+    big = torch.empty(4 * stride + 512, dtype=torch.bfloat16, device=DEVICE)
+    x = big.as_strided((5, 512), (stride, 1))
+    x.copy_(torch.randn(5, 512))
+    w = torch.randn(512, device=DEVICE)
+    # bf16 tolerances of the tests above (the interpreter truncates fp32 -> bf16)
+    torch.testing.assert_close(ops.rms_norm(x, w).float(), _hf_rms_norm(x.contiguous(), w).float(), atol=0.0,
+                               rtol=2 ** -6)
+    cos, sin = (f(torch.rand(5, 32, device=DEVICE) * 6).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    torch.testing.assert_close(ops.rope(x, cos, sin).float(), ops._rope_ref(x, cos, sin, False).float(),
+                               atol=2 ** -6, rtol=2 ** -7)
+    assert ops.fallback_counts() == {}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
