@@ -83,11 +83,12 @@ class SamplingParams:
         # The kernels take log2(e) / temperature in fp32: it must be a normal fp32 value (an infinite
         # one gives NaN weights; a subnormal one reads as 0, i.e. greedy, where fast math flushes it).
         if self.temperature != 0:
-            scale = fused_sample.sampling_scale(torch.tensor([float(self.temperature)])).item() \
-                if math.isfinite(self.temperature) and self.temperature > 0 else 0.0
+            positive = math.isfinite(self.temperature) and self.temperature > 0
+            scale = fused_sample.sampling_scale(torch.tensor([float(self.temperature)])).item() if positive else 0.0
             if not _FP32.tiny <= scale <= _FP32.max:
-                raise ValueError(f"SamplingParams.temperature: expected 0 (greedy) or a number whose log2(e) / T is "
-                                 f"a normal fp32 (T in about [{_FP32.tiny:.3g}, {math.log2(math.e) / _FP32.tiny:.3g}]), "
+                hottest = math.log2(math.e) / _FP32.tiny
+                raise ValueError(f"SamplingParams.temperature: expected 0 (greedy) or a number whose log2(e) / T "
+                                 f"is a normal fp32 (T in about [{_FP32.tiny:.3g}, {hottest:.3g}]), "
                                  f"got {self.temperature!r}")
         if self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k: expected an int >= 0 (0: off), got {self.top_k!r}")
@@ -260,7 +261,8 @@ class Engine:
                 raise ValueError(f"requests[{i}]: duplicate request_id {r.request_id!r}")
             seen.add(r.request_id)
             if not isinstance(r.prompt_ids, list):
-                raise TypeError(f"requests[{i}].prompt_ids: expected a list of ints, got {type(r.prompt_ids).__name__}")
+                raise TypeError(f"requests[{i}].prompt_ids: expected a list of ints, "
+                                f"got {type(r.prompt_ids).__name__}")
             if not r.prompt_ids:
                 raise ValueError(f"requests[{i}].prompt_ids: expected at least one token")
             bad = [t for t in r.prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]

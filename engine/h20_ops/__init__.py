@@ -47,4 +47,3 @@ def require_interpretable_numpy(kernel: str) -> None:
         raise RuntimeError(f"{kernel}: Triton's interpreter (TRITON_INTERPRET=1, triton 3.6) needs numpy < 2.4 for "
                            f"this kernel's runtime-bounded loop, found numpy {numpy.__version__} "
                            f"(pip install 'numpy<2.4', or the project's `interpreter` extra)")
-

@@ -8,8 +8,8 @@ under its interpreter). DEEPINFER_SIMULATE_NO_TILELANG=1 installs an import hook
 resolution and every import of a TileLang module through this module (explicit backends included), so
 that from then on every import of tilelang fails as on a node without TileLang. The variable is read
 then, not at import time: a process (a DP rank) that sets it after importing the engine gets what it
-set. The result and its reason are logged once per process,
-with the DP rank when torch.distributed is initialized.
+set. The result and its reason are logged once per process, with the DP rank when
+torch.distributed is initialized.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from engine import config
 
 log = logging.getLogger(__name__)
 
-_TILELANG_KERNEL_MODULES: set[str] = set()  # every module imported by import_tilelang_module: dropped with tilelang when blocked
+# Every module imported through import_tilelang_module: dropped together with tilelang when blocked.
+_TILELANG_KERNEL_MODULES: set[str] = set()
 
 
 class TileLangUnavailableError(RuntimeError):

@@ -95,7 +95,8 @@ def check_sparse_mla_args(
         raise ValueError(f"{n('kv')}: expected last dim {d_qk} ({n('q')}'s d_qk), got {d_kv}")
     if indices.dim() == 3:
         if indices.size(1) != 1:
-            raise ValueError(f"{n('indices')}: expected shape [s_q, topk] or [s_q, 1, topk], got {tuple(indices.shape)}")
+            raise ValueError(f"{n('indices')}: expected shape [s_q, topk] or [s_q, 1, topk], "
+                             f"got {tuple(indices.shape)}")
         indices = indices[:, 0, :]
     if indices.size(0) != s_q:
         raise ValueError(f"{n('indices')}: expected {s_q} rows ({n('q')}'s s_q), got shape {tuple(indices.shape)}")
