@@ -164,6 +164,26 @@ def test_rejection_bf16_noncontiguous_triton_equals_reference():
 
 
 @interpreter_only
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_rejection_rows_past_2_to_the_31(temperature):
+    """Logits laid out [K+1, N, V] and passed transposed: row j of a request starts j * N * V elements
+    in, past 2^31 here for the bonus row (K = 2, row stride 2^30); the kernel's offsets are 64-bit.
+    The 4 GiB tensor is allocated, never touched beyond the rows used."""
+    g = torch.Generator().manual_seed(6)
+    k, v, stride = 2, 1000, 2**30
+    big = torch.empty(k * stride + v, dtype=torch.bfloat16)
+    target = big.as_strided((1, k + 1, v), (v, stride, 1))
+    target.copy_(_logits((1, k + 1, v), torch.bfloat16, g))
+    draft = target[:, :k].clone()
+    draft_tokens = torch.argmax(target[:, :k].float(), dim=-1)  # accepted: the bonus row is read
+    params = (torch.tensor([5]), torch.tensor([9]), torch.tensor([temperature]), torch.tensor([0]),
+              torch.tensor([1.0]))
+    got = fs.rejection_sample(target, draft, draft_tokens, *params, backend="triton")
+    want = fs.rejection_sample(target, draft, draft_tokens, *params, backend="ref")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and int(got[1][0]) == k
+
+
+@interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # 32-bit / 16-bit logit keys
 def test_thresholds_stay_exact_when_exp2_is_not_monotone(monkeypatch, dtype):
     """The kernels search thresholds over logits and then check the bracket in weights. With an exp2

@@ -347,7 +347,7 @@ def _rejection_kernel(target_logits, t_stride_b, t_stride_s, draft_logits, d_str
     top_p = tl.load(top_ps + b)
     out_row = out_tokens + b * (K + 1)
     accepted = tl.full((), -1, tl.int64)  # -1: still accepting
-    j = 0
+    j = tl.full((), 0, tl.int64)  # 64-bit: j * stride passes 2^31 for logits laid out [K+1, N, V]
     while (j < K) & (accepted < 0):
         t_row = target_logits + b * t_stride_b + j * t_stride_s
         x = tl.load(draft_tokens + b * dt_stride_b + j).to(tl.int64)
@@ -377,7 +377,7 @@ def _rejection_kernel(target_logits, t_stride_b, t_stride_s, draft_logits, d_str
                 accepted = tl.full((), 0, tl.int64) + j
         j += 1
     if accepted < 0:
-        bonus_row = target_logits + b * t_stride_b + K * t_stride_s
+        bonus_row = target_logits + b * t_stride_b + (tl.full((), 0, tl.int64) + K) * t_stride_s
         bonus = _sample_row(bonus_row, V, scale, top_k, top_p, _draw(seed, pos + K, DRAW_SAMPLE), BLOCK)
         tl.store(out_row + K, bonus)
         accepted = tl.full((), 0, tl.int64) + K
