@@ -50,8 +50,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.h20_ops import dependent_launch, kv_quant, require_interpretable_numpy, sm_count, sparse_mla
-from engine.h20_ops.checks import (SUPPORTED_HEADS, check_decode_args, check_paged_decode_args,
-                                   check_sparse_mla_args, require_scale, require_tensor)
+from engine.h20_ops.checks import (SUPPORTED_HEADS, check_decode_args, check_paged_decode_args, require_scale,
+                                   require_tensor)
 
 D_V = 512
 HEADS_PER_PROGRAM = 64  # the kernels' head tile
@@ -88,14 +88,12 @@ def prefill_attn_varlen_sparse(query, kv_a_with_mqa, index_topk, softmax_scale, 
     if query.size(2) < D_V:
         raise ValueError(f"query: expected D >= {D_V} (the output is the first {D_V} columns of kv_a_with_mqa), "
                          f"got shape {tuple(query.shape)}")
-    check_sparse_mla_args(query, kv_a_with_mqa, index_topk, softmax_scale, D_V, attn_sink, index_length,
-                          q_dtypes=_Q_DTYPES, limit_shapes=sparse_mla.resolve_backend() != "ref",
-                          names=_PREFILL_ARG_NAMES)
     # The indices carry causality (the indexer only selects positions a query may see), so the
     # kernel runs non-causal: bounding by row index instead would mask valid rows of a packed batch
-    # and collapse layers to NaN.
+    # and collapse layers to NaN. The dispatcher checks the rest, naming this function's arguments.
     out, _lse = sparse_mla.sparse_mla_fwd(query, kv_a_with_mqa, index_topk, softmax_scale, d_v=D_V,
-                                          attn_sink=attn_sink, topk_length=index_length)
+                                          attn_sink=attn_sink, topk_length=index_length,
+                                          arg_names=_PREFILL_ARG_NAMES)
     return out
 
 

@@ -56,17 +56,18 @@ _BACKENDS = {"ref": _run_ref, "triton": _run_triton, "tilelang": _run_tilelang}
 
 
 def sparse_mla_fwd(q, kv, indices, sm_scale, *, d_v: int = 512, attn_sink=None, topk_length=None,
-                   backend: str | None = None):
+                   backend: str | None = None, arg_names: dict[str, str] | None = None):
     """Sparse MLA forward. q [s_q, h_q, d_qk]; kv [s_kv, 1, d_qk]; indices [s_q, topk] (or
     [s_q, 1, topk]) int32, absolute rows of kv, any out-of-range value invalid; attn_sink [h_q] fp32;
-    topk_length [s_q] int32. Returns (out [s_q, h_q, d_v] in q's dtype, lse [s_q, h_q] fp32 base 2)."""
+    topk_length [s_q] int32. Returns (out [s_q, h_q, d_v] in q's dtype, lse [s_q, h_q] fp32 base 2).
+    arg_names: an entry point's names for these arguments, used in the errors of the checks."""
     if backend is None:
         backend = resolve_backend()
     elif backend not in _BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(_BACKENDS)} or None, got {backend!r}")
     _, indices = check_sparse_mla_args(
         q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
-        q_dtypes=(torch.bfloat16, torch.float32), limit_shapes=backend != "ref")
+        q_dtypes=(torch.bfloat16, torch.float32), limit_shapes=backend != "ref", names=arg_names)
     return _BACKENDS[backend](q, kv, indices, float(sm_scale), d_v, attn_sink, topk_length)
 
 
