@@ -83,9 +83,11 @@ cmd_install() {
   local tarball=$1 dest=$2
   [[ -f $tarball ]] || die "install: no such bundle '$tarball'"
   # Version-specific wheels (tag cpXY-cpXY) only import on that CPython: refuse a mismatch up front.
-  local wanted node
-  wanted=$(tar -xJOf "$tarball" ./BUNDLE_WHEELS.txt | grep -o -- '-cp[0-9]*-cp[0-9]*-' | cut -d- -f2 | sort -u) \
+  local wheels wanted node
+  wheels=$(tar -xJOf "$tarball" ./BUNDLE_WHEELS.txt) \
     || die "install: '$tarball' has no BUNDLE_WHEELS.txt (not a bundle of this script?)"
+  # none (abi3 / pure wheels only) is fine: grep's "no match" must not end the script under pipefail
+  wanted=$(grep -o -- '-cp[0-9]*-cp[0-9]*-' <<<"$wheels" | cut -d- -f2 | sort -u || true)
   node=$(${PYTHON:-python3} -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")') \
     || die "install: cannot run ${PYTHON:-python3} (set PYTHON to the node's interpreter)"
   [[ -z $wanted || $wanted == "$node" ]] \
