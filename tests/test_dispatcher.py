@@ -42,26 +42,35 @@ def fresh_process(monkeypatch):
     sys.modules.update(saved_modules)
 
 
-class _RaiseOnTileLang(importlib.abc.MetaPathFinder):
-    def __init__(self, exc):
-        self.exc = exc
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname == "tilelang" or fullname.startswith("tilelang."):
-            raise self.exc
-        return None
-
-
 class _RaiseOnModule(importlib.abc.MetaPathFinder):
-    """Importing `name` (not yet imported) raises `exc`."""
+    """Importing a module (not yet imported) that `matches` raises `exc`."""
 
-    def __init__(self, name, exc):
-        self.name, self.exc = name, exc
+    def __init__(self, matches, exc):
+        self.matches, self.exc = matches, exc
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname == self.name:
+        if self.matches(fullname):
             raise self.exc
         return None
+
+
+def _raise_on_tilelang(exc):
+    return _RaiseOnModule(lambda name: name == "tilelang" or name.startswith("tilelang."), exc)
+
+
+def _probe_with_simulation(tmp_path, code: str) -> str:
+    """stdout of `code` run by a new interpreter with DEEPINFER_SIMULATE_NO_TILELANG=1, CUDA hidden and
+    no backend pinned (it must exit 0)."""
+    import subprocess
+
+    script = tmp_path / "probe.py"
+    script.write_text(code)
+    env = {**os.environ, "DEEPINFER_SIMULATE_NO_TILELANG": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("DEEPINFER_SPARSE_MLA_BACKEND", None)
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def _fake_kernel_module():
@@ -72,7 +81,7 @@ def test_unset_with_tilelang_importable_picks_tilelang(fresh_process):
     """The import decides, not the package's name: the kernel module imports while `tilelang` itself
     cannot even be looked up by name -> tilelang."""
     fresh_process.setitem(sys.modules, KERNEL_MODULE, _fake_kernel_module())
-    sys.meta_path.insert(0, _RaiseOnTileLang(ModuleNotFoundError("No module named 'tilelang'", name="tilelang")))
+    sys.meta_path.insert(0, _raise_on_tilelang(ModuleNotFoundError("No module named 'tilelang'", name="tilelang")))
     res = sparse_mla.backend_resolution()
     assert (res.backend, res.tilelang_missing) == ("tilelang", None)
 
@@ -82,7 +91,7 @@ def test_unset_with_tilelang_failing_inside_the_kernel_module_picks_triton(fresh
     does -> triton (a lookup by name would pick tilelang)."""
     fresh_process.setitem(sys.modules, "tilelang", types.ModuleType("tilelang"))
     missing = ModuleNotFoundError("No module named 'tilelang'", name="tilelang")
-    sys.meta_path.insert(0, _RaiseOnModule(KERNEL_MODULE, missing))
+    sys.meta_path.insert(0, _RaiseOnModule(lambda name: name == KERNEL_MODULE, missing))
     res = sparse_mla.backend_resolution()
     assert res.backend == "triton" and "No module named 'tilelang'" in res.tilelang_missing
 
@@ -90,7 +99,7 @@ def test_unset_with_tilelang_failing_inside_the_kernel_module_picks_triton(fresh
 def test_missing_tilelang_submodule_is_a_broken_install_not_absence(fresh_process):
     """A partial install (the package imports, one of its submodules is missing) must surface."""
     partial = ModuleNotFoundError("No module named 'tilelang.jit'", name="tilelang.jit")
-    sys.meta_path.insert(0, _RaiseOnModule(KERNEL_MODULE, partial))
+    sys.meta_path.insert(0, _RaiseOnModule(lambda name: name == KERNEL_MODULE, partial))
     with pytest.raises(ImportError, match="tilelang.jit") as err:
         sparse_mla.resolve_backend()
     assert not isinstance(err.value, ModuleNotFoundError)
@@ -111,10 +120,8 @@ def test_simulation_is_read_when_tilelang_is_imported_not_at_engine_import(tmp_p
     """A DP rank inherits the launcher's environment, imports the engine, then applies its job's
     variables: DEEPINFER_SIMULATE_NO_TILELANG=0 set after the import must leave TileLang importable
     (the --compare report's "TileLang present" run)."""
-    import subprocess
-
-    script = tmp_path / "probe.py"
-    script.write_text(
+    stdout = _probe_with_simulation(
+        tmp_path,
         "import importlib.util, os\n"
         "import engine.h20_ops.sparse_mla\n"
         "os.environ['DEEPINFER_SIMULATE_NO_TILELANG'] = '0'\n"
@@ -124,11 +131,7 @@ def test_simulation_is_read_when_tilelang_is_imported_not_at_engine_import(tmp_p
         "if importlib.util.find_spec('tilelang') is not None:\n"
         "    import tilelang  # noqa: F401\n"
         "    print('tilelang imported')\n")
-    env = {**os.environ, "DEEPINFER_SIMULATE_NO_TILELANG": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("hook False\n")
+    assert stdout.startswith("hook False\n")
 
 
 def importlib_import(name):
@@ -168,10 +171,8 @@ def test_simulation_blocks_explicit_backends_too(tmp_path):
     """DEEPINFER_SIMULATE_NO_TILELANG=1 in a new process: with no resolution, an explicit
     backend='tilelang' argument (prefill, paged fp8, sampling) is a clear error, and every TileLang
     import after it fails."""
-    import subprocess
-
-    script = tmp_path / "probe.py"
-    script.write_text(
+    stdout = _probe_with_simulation(
+        tmp_path,
         "import importlib, torch\n"
         "from engine.h20_ops import fused_sample, sparse_mla\n"
         "from engine.h20_ops.backend_select import TileLangUnavailableError\n"
@@ -193,12 +194,7 @@ def test_simulation_blocks_explicit_backends_too(tmp_path):
         "        print(name, 'IMPORTED')\n"
         "    except ModuleNotFoundError as exc:\n"
         "        print(name, 'blocked', exc.name)\n")
-    env = {**os.environ, "DEEPINFER_SIMULATE_NO_TILELANG": "1", "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("DEEPINFER_SPARSE_MLA_BACKEND", None)
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[:-1] == [
+    assert stdout.split("\n")[:-1] == [
         "prefill unavailable True", "paged unavailable True", "sample unavailable True",
         "tilelang blocked tilelang", "tilelang.language blocked tilelang",
         f"{sparse_mla.TILELANG_KERNEL_MODULE} blocked tilelang"]
@@ -206,7 +202,7 @@ def test_simulation_blocks_explicit_backends_too(tmp_path):
 
 def test_explicit_tilelang_when_missing_is_a_clear_error(fresh_process):
     fresh_process.setenv("DEEPINFER_SPARSE_MLA_BACKEND", "tilelang")
-    sys.meta_path.insert(0, _RaiseOnTileLang(ModuleNotFoundError("No module named 'tilelang'", name="tilelang")))
+    sys.meta_path.insert(0, _raise_on_tilelang(ModuleNotFoundError("No module named 'tilelang'", name="tilelang")))
     with pytest.raises(sparse_mla.TileLangUnavailableError, match="DEEPINFER_SPARSE_MLA_BACKEND=tilelang"):
         sparse_mla.resolve_backend()
 
@@ -214,7 +210,7 @@ def test_explicit_tilelang_when_missing_is_a_clear_error(fresh_process):
 @pytest.mark.parametrize("exc", [ImportError("libtvm_ffi.so: undefined symbol: foo"),
                                  RuntimeError("CUDA driver too old")])
 def test_broken_tilelang_install_surfaces(fresh_process, exc):
-    sys.meta_path.insert(0, _RaiseOnTileLang(exc))
+    sys.meta_path.insert(0, _raise_on_tilelang(exc))
     with pytest.raises(type(exc), match=str(exc).split(":")[0]):
         sparse_mla.resolve_backend()
 
@@ -287,7 +283,7 @@ def test_lse_is_base_2_whichever_backend(backend):
 
 def test_missing_tilelang_dependency_is_a_broken_install_not_absence(fresh_process):
     missing_dep = ModuleNotFoundError("No module named 'tvm_ffi'", name="tvm_ffi")
-    sys.meta_path.insert(0, _RaiseOnTileLang(missing_dep))
+    sys.meta_path.insert(0, _raise_on_tilelang(missing_dep))
     with pytest.raises(ImportError, match="tvm_ffi") as err:
         sparse_mla.resolve_backend()
     assert not isinstance(err.value, ModuleNotFoundError)
