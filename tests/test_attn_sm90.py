@@ -287,6 +287,22 @@ def test_decode_contiguous_windows_are_not_copied(ref_backend, dispatcher_calls)
     assert dispatcher_calls[0]["kv"].shape == (batch * width, 1, D)
 
 
+def test_decode_one_row_windows_ignore_the_size_one_stride(ref_backend, dispatcher_calls):
+    """W = 1 windows viewed out of a position-major ring: torch calls the view contiguous whatever
+    its stride(1) (the stride of a size-1 dim), so the rows must be addressed by stride(0); request b
+    must read its own row, not request 0's next position."""
+    batch, positions = 3, 5
+    g = torch.Generator().manual_seed(21)
+    ring = (torch.randn(positions, batch, 1, D, generator=g) * 0.1).to(DEVICE)
+    windows = ring[:1].permute(1, 0, 2, 3)  # [batch, 1, 1, D], stride(1) = batch * D
+    assert windows.is_contiguous() and windows.stride(1) != windows.stride(0)
+    case = dict(q=(torch.randn(batch, 1, H, D, generator=g) * 0.1).to(DEVICE), kv_windows=windows,
+                indices=torch.zeros(batch, 1, 1, dtype=torch.int32, device=DEVICE))
+    out, lse = run_decode(case, num_splits=1)
+    assert_matches(out, lse, oracle(case), exact=True)
+    assert dispatcher_calls[0]["kv"].data_ptr() == ring.data_ptr()  # still a view, not a copy
+
+
 def test_decode_strided_indices_and_lengths(ref_backend):
     """Index tensors and lengths that are views with non-unit last strides."""
     case, _ = make_decode_case(15, 3, 2, 10, 12, topk=9, etopk=11, dtype=torch.float32)
@@ -432,6 +448,24 @@ def test_merge_splits_with_empty_chunks_and_bf16():
         ok = [0, 2]
         assert torch.allclose(merged[ok], ref_lse[ok], rtol=1e-6, atol=1e-5)
         assert torch.allclose(got[ok], ref[ok], rtol=tol, atol=tol)
+
+
+def test_merge_splits_keeps_nan_rows_nan():
+    """A chunk with a NaN score (NaN lse and out) makes its query's merged lse and out NaN, as the
+    unsplit kernels and the oracle give; only a query whose chunks are all empty gets +inf / 0."""
+    n, splits, heads, d_v = 4, 3, 2, 16
+    lse = torch.zeros(n, splits, heads)
+    parts = torch.ones(n, splits, heads, d_v)
+    lse[0, 1], parts[0, 1] = math.nan, math.nan  # one NaN chunk among finite ones
+    lse[1, :], parts[1, :] = math.nan, math.nan  # every chunk NaN
+    lse[2, 0], parts[2, 0] = math.nan, math.nan  # a NaN chunk and two empty ones
+    lse[2, 1:], parts[2, 1:] = math.inf, 0.0
+    got, merged = attn._merge_splits(parts.view(n * splits, heads, d_v).to(DEVICE),
+                                     lse.view(n * splits, heads).to(DEVICE), splits, None)
+    got, merged = got.cpu(), merged.cpu()
+    assert merged[:3].isnan().all() and got[:3].isnan().all()
+    assert torch.allclose(merged[3], torch.full((heads,), math.log2(splits)), rtol=1e-6, atol=0)
+    assert torch.equal(got[3], torch.ones(heads, d_v))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -588,6 +622,12 @@ def test_decode_bad_inputs_name_the_argument(ref_backend):
         call(softmax_scale=-1.0)
     with pytest.raises(ValueError, match="^num_splits:"):
         call(num_splits=0)
+    with pytest.raises(ValueError, match="^q: expected D >= 512"):
+        call(q=case["q"][..., :256])
+    with pytest.raises(TypeError, match="^attn_sink: expected a torch.Tensor"):
+        call(attn_sink=[0.0] * H)
+    with pytest.raises(TypeError, match="^topk_length: expected a torch.Tensor"):
+        call(topk_length=[1, 1])
 
 
 def test_prefill_bad_inputs_name_the_argument(ref_backend):
@@ -608,6 +648,17 @@ def test_prefill_bad_inputs_name_the_argument(ref_backend):
         attn.prefill_attn_varlen_sparse(query, kv, idx, "0.1")
     with pytest.raises(ValueError, match="^query: expected D >= 512"):
         attn.prefill_attn_varlen_sparse(query[..., :256], kv[..., :256], idx, SCALE)
+    with pytest.raises(TypeError, match="^index_length: expected a torch.Tensor"):
+        attn.prefill_attn_varlen_sparse(query, kv, idx, SCALE, sink, [4] * query.size(0))
+
+
+def test_prefill_fp32_query_with_the_tilelang_backend_names_query():
+    """The TileLang kernels are bf16-only: the dispatcher's check refuses fp32 for that backend under
+    the entry point's name (before any TileLang import)."""
+    query, kv, idx, _, _ = make_prefill_case(16, torch.float32)
+    with pytest.raises(TypeError, match=r"^query: expected dtype torch.bfloat16, got torch.float32"):
+        sparse_mla.sparse_mla_fwd(query, kv, idx, SCALE, backend="tilelang",
+                                  arg_names=attn._PREFILL_ARG_NAMES)
 
 
 @pytest.mark.parametrize("backend", ["ref", "triton"])
@@ -801,6 +852,28 @@ def test_paged_fp8_equals_the_buffer_path(monkeypatch, batch, s_q, lengths, spli
     assert torch.equal(out, want_out)
     if lengths:
         assert bool((out[0] == 0).all()) and bool(torch.isinf(lse[0]).all())
+
+
+@pytest.mark.gpu
+def test_paged_fp8_layout_errors_name_the_entry_points_arguments(monkeypatch):
+    """The paged kernel's own layout checks (16-byte aligned caches: kv_quant needs 4 bytes only) name
+    decode_attn_sparse_paged_fp8's cache / extra_cache, not the kernel's cache0 / cache1."""
+    pytest.importorskip("tilelang", reason="the paged fp8 kernel is TileLang's")
+    from engine.h20_ops import kv_quant
+
+    _select_backend(monkeypatch, "tilelang")
+    cache = kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, 2, 16, DEVICE)
+    raw = torch.zeros(cache.untyped_storage().nbytes() + 16, dtype=torch.uint8, device=DEVICE)
+    misaligned = raw.as_strided(cache.shape, cache.stride(), 4)  # a valid MODEL1 layout 4 bytes in
+    q = torch.zeros(1, 1, H, D, dtype=torch.bfloat16, device=DEVICE)
+    slots = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
+    indices = torch.zeros(1, 1, 4, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="^cache: expected a 16-byte aligned"):
+        attn.decode_attn_sparse_paged_fp8(q, misaligned, slots, indices, SCALE)
+    with pytest.raises(ValueError, match="^extra_cache: expected a 16-byte aligned"):
+        attn.decode_attn_sparse_paged_fp8(q, cache, slots, indices, SCALE, extra_cache=misaligned,
+                                          extra_slots=slots, extra_indices=indices)
+    sparse_mla.reset_resolution_for_tests()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's numpy guard: CPU tensors only")

@@ -185,7 +185,8 @@ def decode_attn_sparse_paged_fp8(q, cache, slots, indices, softmax_scale, *, att
                            extra_slots=extra_slots, n_slots=n_slots, q_rows=q_rows, splits=splits)
 
     def launch(q_rows, lists, sink):
-        return sparse_mla.sparse_mla_paged_fp8_fwd(q_rows, cache, extra_cache, lists, softmax_scale, attn_sink=sink)
+        return sparse_mla.sparse_mla_paged_fp8_fwd(q_rows, cache, extra_cache, lists, softmax_scale, attn_sink=sink,
+                                                   cache_names=("cache", "extra_cache"))
 
     return _launch_decode(q, indices, extra_indices, attn_sink, num_splits, PAGED_SPLIT_SMS_PER_PROGRAM, build,
                           launch)
@@ -208,6 +209,9 @@ def _require_decode_q(q, dtypes) -> None:
     require_tensor("q", q, dtypes=dtypes, ndim=4)
     if q.size(0) < 1 or q.size(1) < 1:
         raise ValueError(f"q: expected at least one request and one query token, got shape {tuple(q.shape)}")
+    if q.size(3) < D_V:
+        raise ValueError(f"q: expected D >= {D_V} (the output is the first {D_V} columns of the kv rows), "
+                         f"got shape {tuple(q.shape)}")
 
 
 def _check_splits(num_splits) -> int:
@@ -239,6 +243,11 @@ def _flat_kv_rows(kv_windows: torch.Tensor, extra_kv_windows: torch.Tensor | Non
     (request b's window at rows b*R.., its extra rows at b*R + W..)."""
     width = kv_windows.size(1)
     if extra_kv_windows is None:
+        if width == 1:
+            # The stride of a size-1 dim carries no layout (torch may leave any value there, even after
+            # .contiguous()): request b's one row is stride(0) elements after request b - 1's.
+            request, _, *rest = kv_windows.stride()
+            kv_windows = kv_windows.as_strided(kv_windows.shape, (request, request, *rest))
         stride = _request_stride_rows(kv_windows, width)
         if stride is None:  # rows not evenly spaced: one copy into a dense [B, W, 1, D]
             kv_windows, stride = kv_windows.contiguous(), width
@@ -429,8 +438,9 @@ def _merge_splits_kernel(parts_ptr, parts_stride_row, parts_stride_h, lse_parts_
                        mask=in_heads[:, None], other=0.0).to(tl.float32)
         total += weight
         acc += weight[:, None] * part
-    lse = tl.where(total > 0, tl.log2(tl.where(total > 0, total, 1.0)) + top, float("inf"))
-    acc = acc / tl.where(total > 0, total, 1.0)[:, None]
+    # total is 0 only when every chunk is empty; NaN (a NaN score in some chunk) stays NaN in lse and out
+    lse = tl.where(total != 0, tl.log2(tl.where(total != 0, total, 1.0)) + top, float("inf"))
+    acc = acc / tl.where(total != 0, total, 1.0)[:, None]
     if HAS_SINK:
         acc = _apply_sink(acc, lse, tl.load(sink_ptr + h * sink_stride, mask=in_heads, other=0.0))
     tl.store(out_ptr + (row.to(tl.int64) * heads + h[:, None]) * DV + cols[None, :],

@@ -28,6 +28,8 @@ def require_tensor(name: str, t, *, dtypes: tuple[torch.dtype, ...], ndim: int |
 
 def require_same_device(ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) -> None:
     for name, t in others.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
         if t is not None and t.device != ref.device:
             raise ValueError(f"{name}: expected device {ref.device} (same as {ref_name}), got {t.device}")
 

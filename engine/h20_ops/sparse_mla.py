@@ -5,7 +5,8 @@ Backends: `tilelang` (engine.h20_ops.sparse_mla_sm90, base-2 lse), `triton`
 oracle). DEEPINFER_SPARSE_MLA_BACKEND picks one; unset means auto (engine.h20_ops.backend_select:
 tilelang if its kernel module imports, else triton; triton without CUDA).
 
-`sparse_mla_fwd` returns (out in q's dtype, lse in base 2) whichever backend ran.
+`sparse_mla_fwd` returns (out in q's dtype, lse in base 2) whichever backend ran; q is bf16 (or fp32
+with `triton` and `ref`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def _run_tilelang(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
 
 
 _BACKENDS = {"ref": _run_ref, "triton": _run_triton, "tilelang": _run_tilelang}
+_Q_DTYPES = {"ref": (torch.bfloat16, torch.float32), "triton": (torch.bfloat16, torch.float32),
+             "tilelang": (torch.bfloat16,)}  # the TileLang kernels are built for bf16 only
 
 
 def sparse_mla_fwd(q, kv, indices, sm_scale, *, d_v: int = 512, attn_sink=None, topk_length=None,
@@ -67,7 +70,7 @@ def sparse_mla_fwd(q, kv, indices, sm_scale, *, d_v: int = 512, attn_sink=None, 
         raise ValueError(f"backend: expected one of {', '.join(_BACKENDS)} or None, got {backend!r}")
     _, indices = check_sparse_mla_args(
         q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
-        q_dtypes=(torch.bfloat16, torch.float32), limit_shapes=backend != "ref", names=arg_names)
+        q_dtypes=_Q_DTYPES[backend], limit_shapes=backend != "ref", names=arg_names)
     return _BACKENDS[backend](q, kv, indices, float(sm_scale), d_v, attn_sink, topk_length)
 
 
@@ -78,11 +81,12 @@ def paged_fp8_supported(backend: str | None = None) -> bool:
 
 
 def sparse_mla_paged_fp8_fwd(q, cache0, cache1, slot_indices, sm_scale, *, attn_sink=None, topk_length=None,
-                             backend: str | None = None):
+                             backend: str | None = None, cache_names: tuple[str, str] = ("cache0", "cache1")):
     """Sparse MLA forward over two paged fp8 MODEL1 caches (engine.h20_ops.sparse_mla_sm90_paged_fp8).
     q [s_q, h_q, 512] bf16; cache0, cache1 (or None) [num_blocks, block_size, 1, 584] uint8;
     slot_indices [s_q, topk] int32: s < n_slots0 is cache0's slot s, n_slots0 <= s < n_slots0 + n_slots1
-    cache1's slot s - n_slots0, anything else invalid. Returns (out [s_q, h_q, 512] bf16, lse base 2)."""
+    cache1's slot s - n_slots0, anything else invalid. Returns (out [s_q, h_q, 512] bf16, lse base 2).
+    cache_names: an entry point's names for cache0 and cache1, used in the errors of the checks."""
     if backend is None:
         backend = resolve_backend()
     if not paged_fp8_supported(backend):
@@ -90,4 +94,4 @@ def sparse_mla_paged_fp8_fwd(q, cache0, cache1, slot_indices, sm_scale, *, attn_
                          "(gather the rows with kv_quant.gather_dequant and call sparse_mla_fwd)")
     module = import_tilelang_module_or_explain(TILELANG_PAGED_FP8_MODULE, "sparse MLA backend 'tilelang'")
     return module.sparse_mla_fwd_sm90_paged_fp8(q, cache0, cache1, slot_indices, float(sm_scale),
-                                                attn_sink=attn_sink, topk_length=topk_length)
+                                                attn_sink=attn_sink, topk_length=topk_length, cache_names=cache_names)

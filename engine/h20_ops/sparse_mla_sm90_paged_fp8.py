@@ -407,13 +407,15 @@ def cache_views(cache: torch.Tensor, name: str = "cache"
 def sparse_mla_fwd_sm90_paged_fp8(q: torch.Tensor, cache0: torch.Tensor, cache1: torch.Tensor | None,
                                        indices: torch.Tensor, sm_scale: float,
                                        attn_sink: torch.Tensor | None = None,
-                                       topk_length: torch.Tensor | None = None
+                                       topk_length: torch.Tensor | None = None,
+                                       cache_names: tuple[str, str] = ("cache0", "cache1"),
                                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [s_q, h_q, 512] bf16; cache0, cache1 [num_blocks_i, block_size, 1, 584] uint8 MODEL1 (kv_quant;
     separate tensors, any num_blocks each, the same block_size; cache1 may be None); indices [s_q, topk] or
     [s_q, 1, topk] int32: entry s in [0, n_slots0) is cache0's slot s, s in [n_slots0, n_slots0 + n_slots1)
     is cache1's slot s - n_slots0 (n_slots_i = num_blocks_i * block_size), anything else is invalid (masked,
-    never read). One softmax over all of a query's entries.
+    never read). One softmax over all of a query's entries. cache_names: the caller's names for cache0 and
+    cache1 in the errors of the layout checks.
     -> (out [s_q, h_q, 512] bf16, lse [s_q, h_q] fp32 base 2)."""
     if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or q.dim() != 3 or q.size(2) != D_QK:
         raise TypeError(f"q: expected a bf16 tensor [s_q, h_q, {D_QK}], got "
@@ -438,17 +440,18 @@ def sparse_mla_fwd_sm90_paged_fp8(q: torch.Tensor, cache0: torch.Tensor, cache1:
                                   or tuple(attn_sink.shape) != (h_q,)):
         raise ValueError(f"attn_sink: expected fp32 [{h_q}], got {getattr(attn_sink, 'dtype', None)} "
                          f"{tuple(getattr(attn_sink, 'shape', ()))}")
-    c0_u8, c0_e4m3, c0_bf16, n_slots0, block_size, block_bytes16_0 = cache_views(cache0, "cache0")
+    name0, name1 = cache_names
+    c0_u8, c0_e4m3, c0_bf16, n_slots0, block_size, block_bytes16_0 = cache_views(cache0, name0)
     if cache1 is None:
         # one cache: cache 1 = cache 0's views, never selected (no entry maps to it)
         c1_u8, c1_e4m3, c1_bf16, n_slots1, block_bytes16_1 = c0_u8, c0_e4m3, c0_bf16, 0, block_bytes16_0
     else:
-        c1_u8, c1_e4m3, c1_bf16, n_slots1, block_size1, block_bytes16_1 = cache_views(cache1, "cache1")
+        c1_u8, c1_e4m3, c1_bf16, n_slots1, block_size1, block_bytes16_1 = cache_views(cache1, name1)
         if block_size1 != block_size:
-            raise ValueError(f"cache1: expected the same block_size as cache0 ({block_size}), got {block_size1}")
+            raise ValueError(f"{name1}: expected the same block_size as {name0} ({block_size}), got {block_size1}")
     if n_slots0 + n_slots1 >= 2 ** 31:
-        raise ValueError(f"cache0, cache1: {n_slots0} + {n_slots1} slots; the int32 indices address < 2^31")
-    for name, t in (("cache0", cache0), ("cache1", cache1), ("indices", indices), ("topk_length", topk_length),
+        raise ValueError(f"{name0}, {name1}: {n_slots0} + {n_slots1} slots; the int32 indices address < 2^31")
+    for name, t in ((name0, cache0), (name1, cache1), ("indices", indices), ("topk_length", topk_length),
                     ("attn_sink", attn_sink)):
         if t is not None and t.device != q.device:
             raise ValueError(f"{name}: expected device {q.device} (same as q), got {t.device}")
