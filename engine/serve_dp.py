@@ -26,20 +26,21 @@ Failure handling -- nothing waits forever:
 - the collectives carry a timeout (init_process_group(timeout=...)), and the launcher is a watchdog:
   GRACE_S after the deadline it kills every rank still running and reports each one that gave nothing.
 
-Records carry step logits as numpy arrays (plain pickles; torch tensors through a multiprocessing queue
-would use shared-memory handles that die with the sending process).
+Results reach the launcher through one pipe per rank (a killed rank ends its own pipe and cannot block
+the launcher). Records carry step logits as numpy arrays (plain pickles; torch tensors sent between
+processes would use shared-memory handles that die with the sending process).
 """
 
 from __future__ import annotations
 
 import os
-import queue as queue_module
 import tempfile
 import time
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from multiprocessing.connection import wait as wait_for_connections
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -272,7 +273,8 @@ def _wait_ready(store, ranks: int, deadline: float) -> tuple[list[int], list[int
     return absent, no_group
 
 
-def _rank_main(rank: int, job: DPJob, store_path: str, backend: str, deadline: float, out_queue) -> None:
+def _rank_main(rank: int, job: DPJob, store_path: str, backend: str, deadline: float, results) -> None:
+    """results: the write end of this rank's pipe to the launcher (_ResultPipes)."""
     import torch.distributed as dist
 
     os.environ.update(dict(job.environ))
@@ -320,14 +322,14 @@ def _rank_main(rank: int, job: DPJob, store_path: str, backend: str, deadline: f
             records = [None] * job.ranks if rank == 0 else None
             dist.gather_object(record, records, dst=0)
             if rank == 0:
-                out_queue.put(("gathered", records))
+                results.send(("gathered", records))
             gathered = True
         elif rank == 0:
-            out_queue.put(("no gather", (absent, no_group)))
+            results.send(("no gather", (absent, no_group)))
     except Exception as exc:
-        out_queue.put(("note", f"rank {rank}: result exchange failed: {type(exc).__name__}: {exc}"))
+        results.send(("note", f"rank {rank}: result exchange failed: {type(exc).__name__}: {exc}"))
     if not gathered:
-        out_queue.put(("record", record))
+        results.send(("record", record))
     if group_ok:
         try:
             dist.destroy_process_group()
@@ -347,6 +349,48 @@ def _missing_record(rank: int, exitcode: int | None, killed_after_s: float | Non
     return record
 
 
+class _ResultPipes:
+    """One pipe per rank from the rank to the launcher. Each rank holds the only write end of its own
+    pipe, so a rank that exits, or is killed in the middle of a message, ends its pipe (EOF) and the
+    launcher drops that partial message; a queue shared by the ranks would leave the launcher blocked
+    forever on the rest of a message that never comes (its own copy of the write end keeps it open)."""
+
+    def __init__(self, ctx, ranks: int):
+        self._pairs = [ctx.Pipe(duplex=False) for _ in range(ranks)]
+        self._open: dict[Any, int] = {}
+
+    def writer(self, rank: int):
+        return self._pairs[rank][1]
+
+    def started(self) -> None:
+        """Call once every rank has started: closes the launcher's copies of the write ends."""
+        for _, writer in self._pairs:
+            writer.close()
+        self._open = {reader: rank for rank, (reader, _) in enumerate(self._pairs)}
+
+    @property
+    def open(self) -> bool:
+        """Whether some rank's pipe can still deliver a message."""
+        return bool(self._open)
+
+    def receive(self, timeout: float, take: Callable[[Any], None]) -> int:
+        """Hands every message that arrives within `timeout` to `take`; returns how many pipes were ready.
+        A pipe at its end (the rank exited or was killed, also mid-message) is closed."""
+        if not self._open:
+            time.sleep(timeout)
+            return 0
+        ready = wait_for_connections(list(self._open), timeout)
+        for conn in ready:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                conn.close()
+                del self._open[conn]
+                continue
+            take(message)
+        return len(ready)
+
+
 def serve(job: DPJob, progress: Callable[[str], None] | None = None) -> DPResult:
     """Run `job` on job.ranks spawned ranks; returns one record per rank (never hangs past the
     deadline: job.timeout_s after start plus GRACE_S)."""
@@ -356,16 +400,17 @@ def serve(job: DPJob, progress: Callable[[str], None] | None = None) -> DPResult
     deadline = start + job.timeout_s
     backend, backend_reason = choose_dist_backend(job.device_type, job.ranks)
     ctx = mp.get_context("spawn")
-    out_queue = ctx.Queue()
+    pipes = _ResultPipes(ctx, job.ranks)
     notes: list[str] = []
     by_rank: dict[int, RankRecord] = {}
     gathered = False
     with tempfile.TemporaryDirectory(prefix="deepinfer-dp-") as tmp:
         store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_main, args=(r, job, store_path, backend, deadline, out_queue),
+        procs = [ctx.Process(target=_rank_main, args=(r, job, store_path, backend, deadline, pipes.writer(r)),
                              name=f"dp-rank-{r}") for r in range(job.ranks)]
         for p in procs:
             p.start()
+        pipes.started()
         if progress:
             progress(f"{job.ranks} ranks started ({backend})")
 
@@ -398,24 +443,22 @@ def serve(job: DPJob, progress: Callable[[str], None] | None = None) -> DPResult
             # after rank 0's verdict, every rank that is not absent reports its own record
             return verdict_seen and all(r in by_rank for r in range(job.ranks) if r not in absent)
 
-        while not done() and time.time() < deadline + GRACE_S:
-            try:
-                take(out_queue.get(timeout=0.2))
-            except queue_module.Empty:
-                if all(p.exitcode is not None for p in procs):
-                    break
+        # Every pipe ends once its rank has exited, so this also stops when all ranks are gone.
+        while not done() and pipes.open and time.time() < deadline + GRACE_S:
+            pipes.receive(0.2, take)
         killed_after: dict[int, float] = {}
         for r, p in enumerate(procs):
-            p.join(timeout=0.0 if r in absent else max(0.0, min(10.0, deadline + GRACE_S - time.time())))
+            # Keep reading while waiting: a rank blocked in sending a large message can then finish.
+            wait_until = time.time() + (0.0 if r in absent else max(0.0, min(10.0, deadline + GRACE_S - time.time())))
+            while p.is_alive() and time.time() < wait_until:
+                pipes.receive(min(0.1, max(0.0, wait_until - time.time())), take)
             if p.is_alive():
                 p.kill()
                 p.join()
                 killed_after[r] = time.time() - start
-        while True:  # messages sent just before exit
-            try:
-                take(out_queue.get(timeout=0.1))
-            except queue_module.Empty:
-                break
+            p.join()
+        while pipes.receive(0.1, take):  # messages sent just before exit; every rank has exited by now
+            pass
     records = [by_rank.get(r) or _missing_record(r, procs[r].exitcode, killed_after.get(r)) for r in range(job.ranks)]
     return DPResult(records, backend, backend_reason, gathered, notes, time.time() - start)
 

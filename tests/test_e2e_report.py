@@ -196,6 +196,33 @@ def test_hung_and_crashed_ranks_do_not_hang_the_run():
     assert crashed.error["type"] == "NoResult" and "exited with code 7" in crashed.error["message"]
 
 
+def _send_large_message(conn) -> None:
+    conn.send(("record", b"x" * (64 << 20)))  # blocks once the pipe is full: nobody reads yet
+
+
+def test_a_rank_killed_in_the_middle_of_a_message_does_not_block_the_launcher():
+    """The watchdog may kill a rank while it sends its record: the launcher's reads end (the rank's
+    pipe closes with it) and the partial message is dropped instead of waited for."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    pipes = serve_dp._ResultPipes(ctx, 1)
+    proc = ctx.Process(target=_send_large_message, args=(pipes.writer(0),))
+    proc.start()
+    pipes.started()
+    reader = pipes._pairs[0][0]
+    assert reader.poll(120)  # the message has started; 64 MB do not fit the pipe, so the send blocks
+    time.sleep(0.5)
+    assert proc.is_alive()
+    proc.kill()
+    proc.join()
+    got = []
+    start = time.time()
+    while pipes.receive(0.1, got.append):
+        pass
+    assert time.time() - start < 10 and got == [] and not pipes.open
+
+
 def test_ranks_failing_before_the_group_report_their_own_errors():
     """Every rank fails before init_process_group (a bad DEEPINFER_* value): no gather is possible, but
     each rank's record still arrives with its own error, not a watchdog's "no result"."""
