@@ -1,9 +1,10 @@
 """Single-process engine: greedy or sampled decoding of DeepSeek-V4 with continuous batching,
 optionally speculative with the checkpoint's NextN (MTP) layer.
 
-Token selection: each Request carries SamplingParams (default greedy). Every step picks the tokens of
-its whole batch with ONE fused_sample launch (greedy and sampled requests mixed: temperature 0 rows
-take the first argmax); a sampled token draws from the request's own Philox stream (its seed, the
+Token selection: each Request carries SamplingParams (default greedy). A step with a sampled request
+picks the tokens of its whole batch with ONE fused_sample launch (greedy and sampled requests mixed:
+temperature 0 rows take the first argmax); an all-greedy step takes fused_sample's greedy kernel with
+NextN and torch.argmax without; a sampled token draws from the request's own Philox stream (its seed, the
 token's position in its sequence), so it does not depend on the batch it ran in. The mapping of
 prefill, decode, draft and verify draws to (seed, position, draw): docs/sampling.md, "In the engine".
 
@@ -90,8 +91,8 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.temperature: expected 0 (greedy) or a number whose log2(e) / T "
                                  f"is a normal fp32 (T in about [{_FP32.tiny:.3g}, {hottest:.3g}]), "
                                  f"got {self.temperature!r}")
-        if self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k: expected an int >= 0 (0: off), got {self.top_k!r}")
+        if not 0 <= self.top_k < 2**63:
+            raise ValueError(f"SamplingParams.top_k: expected an int64 >= 0 (0: off), got {self.top_k!r}")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"SamplingParams.top_p: expected a number in (0, 1] (1: off), got {self.top_p!r}")
         if not -2**63 <= self.seed < 2**63:

@@ -436,6 +436,7 @@ def test_sampling_params_are_validated_naming_the_field(checkpoint, backend_env)
         (dict(temperature=2e38), ValueError, "temperature"),  # log2(e) / T subnormal: greedy under fast math
         (dict(temperature="0.8"), TypeError, "temperature"),
         (dict(top_k=-1), ValueError, "top_k"),
+        (dict(top_k=2**63), ValueError, "top_k"),  # not an int64: the step's sampling tensors could not hold it
         (dict(top_k=2.0), TypeError, "top_k"),
         (dict(top_p=0.0), ValueError, "top_p"),
         (dict(top_p=1.5), ValueError, "top_p"),

@@ -160,6 +160,24 @@ def test_checkpoint_carries_nextn_weights_that_transformers_ignores(checkpoint):
                            state["model.layers.0.self_attn.kv_proj.weight"])
 
 
+def test_nextn_layer_keeps_its_float32_modules_at_checkpoint_precision(checkpoint):
+    """In bf16 the float32-kept modules (sinks, hc_head, norms) hold the checkpoint's values exactly,
+    not values rounded through bf16; the rest is the checkpoint rounded to bf16."""
+    from safetensors.torch import load_file
+
+    state = load_file(checkpoint / "model.safetensors")
+    from transformers import AutoConfig
+
+    layer = nextn.load_nextn_layer(checkpoint, AutoConfig.from_pretrained(checkpoint), dtype=torch.bfloat16,
+                                   device="cpu")
+    loaded = dict(layer.state_dict())
+    for name in ("layer.self_attn.sinks", "hc_head.hc_fn", "enorm.weight", "hnorm.weight"):
+        assert loaded[name].dtype == torch.float32
+        assert torch.equal(loaded[name], state[nextn.PREFIX + name].float()), name
+    assert loaded["eh_proj.weight"].dtype == torch.bfloat16
+    assert torch.equal(loaded["eh_proj.weight"], state[nextn.PREFIX + "eh_proj.weight"].bfloat16())
+
+
 def test_reference_matches_the_transformers_oracle(checkpoint, reference):
     """The chain NextN == reference == oracle, in fp32: the reference's link, for these prompts."""
     from engine.model.hf_oracle import hf_greedy

@@ -73,11 +73,13 @@ def load_nextn_layer(checkpoint_dir, config, *, dtype: torch.dtype, device) -> N
     with torch.device("meta"):
         layer = NextNLayer(config)
     layer.load_state_dict(state, strict=True, assign=True)
-    layer = layer.to(device=device, dtype=dtype).eval()
     # As transformers loads the main model: these modules stay float32 in every dtype (the
-    # attention kernels take float32 sinks); the NextN input norms count as norms.
+    # attention kernels take float32 sinks); the NextN input norms count as norms. Each tensor goes
+    # from the checkpoint straight to its dtype (through `dtype` first would round the float32 ones).
     fp32_modules = set(DeepseekV4PreTrainedModel._keep_in_fp32_modules_strict) | {"enorm", "hnorm"}
     for name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
-        if tensor.is_floating_point() and fp32_modules & set(name.split(".")):
-            tensor.data = tensor.data.float()
-    return layer
+        target = tensor.dtype
+        if tensor.is_floating_point():
+            target = torch.float32 if fp32_modules & set(name.split(".")) else dtype
+        tensor.data = tensor.data.to(device=device, dtype=target)
+    return layer.eval()
