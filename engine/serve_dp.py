@@ -357,7 +357,7 @@ class _ResultPipes:
 
     def __init__(self, ctx, ranks: int):
         self._pairs = [ctx.Pipe(duplex=False) for _ in range(ranks)]
-        self._open: dict[Any, int] = {}
+        self._open: list = []  # the read ends of the pipes that have not ended
 
     def writer(self, rank: int):
         return self._pairs[rank][1]
@@ -366,7 +366,7 @@ class _ResultPipes:
         """Call once every rank has started: closes the launcher's copies of the write ends."""
         for _, writer in self._pairs:
             writer.close()
-        self._open = {reader: rank for rank, (reader, _) in enumerate(self._pairs)}
+        self._open = [reader for reader, _ in self._pairs]
 
     @property
     def open(self) -> bool:
@@ -379,13 +379,13 @@ class _ResultPipes:
         if not self._open:
             time.sleep(timeout)
             return 0
-        ready = wait_for_connections(list(self._open), timeout)
+        ready = wait_for_connections(self._open, timeout)
         for conn in ready:
             try:
                 message = conn.recv()
             except (EOFError, OSError):
                 conn.close()
-                del self._open[conn]
+                self._open.remove(conn)
                 continue
             take(message)
         return len(ready)
