@@ -164,10 +164,9 @@ def test_nextn_layer_keeps_its_float32_modules_at_checkpoint_precision(checkpoin
     """In bf16 the float32-kept modules (sinks, hc_head, norms) hold the checkpoint's values exactly,
     not values rounded through bf16; the rest is the checkpoint rounded to bf16."""
     from safetensors.torch import load_file
-
-    state = load_file(checkpoint / "model.safetensors")
     from transformers import AutoConfig
 
+    state = load_file(checkpoint / "model.safetensors")
     layer = nextn.load_nextn_layer(checkpoint, AutoConfig.from_pretrained(checkpoint), dtype=torch.bfloat16,
                                    device="cpu")
     loaded = dict(layer.state_dict())
