@@ -22,14 +22,13 @@ Ops (each also named in fallback_counts()):
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import Counter
 
 import torch
 
-import engine.h20_ops  # noqa: F401  (sets TRITON_INTERPRET=1 on CPU-only machines before triton kernels are defined)
 from engine import config
+from engine.h20_ops import triton_interprets  # (importing the package sets TRITON_INTERPRET=1 without CUDA)
 
 log = logging.getLogger(__name__)
 
@@ -65,21 +64,17 @@ def reset_fallback_counts() -> None:
         _logged.clear()
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _elements_per_program() -> int:
     # The interpreter pays a fixed cost per program, so it gets few large programs; GPUs get
     # register-sized tiles.
-    return 1 << 16 if _interpreted() else 1 << 12
+    return 1 << 16 if triton_interprets() else 1 << 12
 
 
 def _triton_unavailable_reason(*tensors: torch.Tensor) -> str | None:
     if _TRITON_IMPORT_ERROR is not None:
         return _TRITON_IMPORT_ERROR
-    if not _interpreted() and not all(t.is_cuda for t in tensors):
-        return "tensors are not on a CUDA device and TRITON_INTERPRET is not 1"
+    if not triton_interprets() and not all(t.is_cuda for t in tensors):
+        return "tensors are not on a CUDA device and Triton's interpreter is off (TRITON_INTERPRET)"
     return None
 
 

@@ -81,6 +81,12 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"SamplingParams.{name}: expected an int, got {type(value).__name__}")
+        for name in ("temperature", "top_p"):
+            try:
+                float(getattr(self, name))
+            except OverflowError:  # an int beyond any float: the checks below would raise it bare
+                raise ValueError(f"SamplingParams.{name}: expected a finite number, got an int too large for a "
+                                 f"float") from None
         # The kernels take log2(e) / temperature in fp32: it must be a normal fp32 value (an infinite
         # one gives NaN weights; a subnormal one reads as 0, i.e. greedy, where fast math flushes it).
         if self.temperature != 0:
@@ -266,7 +272,11 @@ class Engine:
                                 f"got {type(r.prompt_ids).__name__}")
             if not r.prompt_ids:
                 raise ValueError(f"requests[{i}].prompt_ids: expected at least one token")
-            bad = [t for t in r.prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            not_ints = [t for t in r.prompt_ids if isinstance(t, bool) or not isinstance(t, int)]
+            if not_ints:
+                raise TypeError(f"requests[{i}].prompt_ids: expected Python ints, got "
+                                f"{', '.join(sorted({type(t).__name__ for t in not_ints}))}: {not_ints[:5]}")
+            bad = [t for t in r.prompt_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"requests[{i}].prompt_ids: tokens outside [0, {self.vocab_size}): {bad[:5]}")
             if isinstance(r.max_new_tokens, bool) or not isinstance(r.max_new_tokens, int) or r.max_new_tokens < 1:

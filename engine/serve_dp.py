@@ -100,6 +100,12 @@ class DPJob:
             raise ValueError("prompts/control_prompt: every prompt needs at least one token")
         if not 0 < self.timeout_s < 10**7:  # also refuses nan and inf (a timedelta of them overflows in the ranks)
             raise ValueError(f"timeout_s: expected a number of seconds in (0, 1e7), got {self.timeout_s!r}")
+        # applied in each rank before its record exists: an error there would only reach the rank's stderr
+        if not isinstance(self.environ, tuple) or any(
+                not isinstance(pair, tuple) or len(pair) != 2 or not all(isinstance(x, str) for x in pair)
+                or not pair[0] or "=" in pair[0] or "\0" in pair[0] + pair[1] for pair in self.environ):
+            raise ValueError(f"environ: expected a tuple of (name, value) string pairs (names non-empty, without "
+                             f"'=' or NUL), got {self.environ!r}")
         if self.sampling is not None:
             from engine.runner import SamplingParams
 

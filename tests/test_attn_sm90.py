@@ -624,6 +624,8 @@ def test_decode_bad_inputs_name_the_argument(ref_backend):
         call(num_splits=0)
     with pytest.raises(ValueError, match="^q: expected D >= 512"):
         call(q=case["q"][..., :256])
+    with pytest.raises(ValueError, match="^q: expected at least one request, one query token and one head"):
+        call(q=case["q"][:, :, :0], num_splits=None)  # the automatic split divides by the programs
     with pytest.raises(TypeError, match="^attn_sink: expected a torch.Tensor"):
         call(attn_sink=[0.0] * H)
     with pytest.raises(TypeError, match="^topk_length: expected a torch.Tensor"):
@@ -656,7 +658,8 @@ def test_prefill_fp32_query_with_the_tilelang_backend_names_query():
     """The TileLang kernels are bf16-only: the dispatcher's check refuses fp32 for that backend under
     the entry point's name (before any TileLang import)."""
     query, kv, idx, _, _ = make_prefill_case(16, torch.float32)
-    with pytest.raises(TypeError, match=r"^query: expected dtype torch.bfloat16, got torch.float32"):
+    with pytest.raises(TypeError, match=r"^query: expected dtype torch.bfloat16 \(the tilelang backend's kernels are "
+                                        r"bf16 only; DEEPINFER_SPARSE_MLA_BACKEND=triton runs float32\), got torch.float32"):
         sparse_mla.sparse_mla_fwd(query, kv, idx, SCALE, backend="tilelang",
                                   arg_names=attn._PREFILL_ARG_NAMES)
 

@@ -61,11 +61,17 @@ def _raise_on_tilelang(exc):
 def _probe_with_simulation(tmp_path, code: str) -> str:
     """stdout of `code` run by a new interpreter with DEEPINFER_SIMULATE_NO_TILELANG=1, CUDA hidden and
     no backend pinned (it must exit 0)."""
+    return _probe(tmp_path, code, DEEPINFER_SIMULATE_NO_TILELANG="1")
+
+
+def _probe(tmp_path, code: str, **env_vars) -> str:
+    """stdout of `code` run by a new interpreter with CUDA hidden, no backend pinned and env_vars set
+    (it must exit 0)."""
     import subprocess
 
     script = tmp_path / "probe.py"
     script.write_text(code)
-    env = {**os.environ, "DEEPINFER_SIMULATE_NO_TILELANG": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **env_vars}
     env.pop("DEEPINFER_SPARSE_MLA_BACKEND", None)
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300,
                           cwd=ROOT)
@@ -182,7 +188,7 @@ def test_simulation_blocks_explicit_backends_too(tmp_path):
         "                                             torch.zeros(1, 1, 512, **bf16),\n"
         "                                             torch.zeros(1, 1, dtype=torch.int32), 0.1, backend='tilelang'),\n"
         "    'paged': lambda: sparse_mla.sparse_mla_paged_fp8_fwd(None, None, None, None, 0.1, backend='tilelang'),\n"
-        "    'sample': lambda: fused_sample._implementation('tilelang'),\n"
+        "    'sample': lambda: fused_sample._implementation('tilelang', 'logits', torch.zeros(1, 4)),\n"
         "}\n"
         "for name, call in calls.items():\n"
         "    try:\n"
@@ -236,6 +242,62 @@ def test_no_cuda_resolves_to_the_triton_interpreter(fresh_process):
     fresh_process.setattr(torch.cuda, "is_available", lambda: False)
     fresh_process.setitem(sys.modules, KERNEL_MODULE, _fake_kernel_module())
     assert sparse_mla.backend_resolution().backend == "triton"
+
+
+_INTERPRETER_PROBE = """
+import torch
+from engine.h20_ops import fused_sample, sparse_mla
+
+print(sparse_mla.backend_resolution().reason)
+q, kv = 0.1 * torch.randn(2, 64, 512), 0.1 * torch.randn(8, 1, 512)
+idx = torch.tensor([[0, 3], [5, -1]], dtype=torch.int32)
+try:
+    out, _ = sparse_mla.sparse_mla_fwd(q, kv, idx, 0.05, backend="triton")
+    ref, _ = sparse_mla.sparse_mla_fwd(q, kv, idx, 0.05, backend="ref")
+    print("attention", float((out - ref).abs().max()) < 1e-4)
+except ValueError as exc:
+    print("attention error:", exc)
+try:
+    print("sampled", fused_sample.greedy_sample(torch.tensor([[0.0, 2.0, 1.0]]), backend="triton").tolist())
+except ValueError as exc:
+    print("sampling error:", exc)
+"""
+
+
+# Probes of Triton's CPU interpreter: the CPU suite's job (on a GPU node it runs with CUDA hidden and an
+# interpreter-compatible numpy, scripts/run_tests.sh).
+cpu_suite_only = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-interpreter probe: the CPU suite runs it")
+
+
+@cpu_suite_only
+def test_triton_interpret_is_read_as_triton_reads_it(tmp_path):
+    """TRITON_INTERPRET=true makes Triton interpret as =1 does, and the launchers agree (they used to
+    compare with "1", refusing CPU tensors or taking the GPU paths while Triton interpreted)."""
+    lines = _probe(tmp_path, _INTERPRETER_PROBE, TRITON_INTERPRET="true").splitlines()
+    assert lines == ["auto: no CUDA device (Triton interpreter)", "attention True", "sampled [1]"]
+
+
+@cpu_suite_only
+def test_interpreter_turned_off_without_cuda_is_named(tmp_path):
+    """TRITON_INTERPRET=0 on a machine without CUDA: the resolution says why the Triton kernels cannot
+    run, and each launcher stops with an error naming its tensor, not a driver error from Triton."""
+    lines = _probe(tmp_path, _INTERPRETER_PROBE, TRITON_INTERPRET="0").splitlines()
+    assert lines == [
+        "auto: no CUDA device, and TRITON_INTERPRET turns Triton's interpreter off: its kernels cannot run",
+        "attention error: q: expected a CUDA tensor (or Triton's interpreter: TRITON_INTERPRET=1), got device cpu",
+        "sampling error: logits: expected a CUDA tensor for the triton backend (or Triton's interpreter: "
+        "TRITON_INTERPRET=1), got device cpu"]
+
+
+def test_paged_fp8_entry_validates_its_backend(fresh_process):
+    """An unknown backend is named as such, not as a backend without a paged kernel."""
+    for call in (lambda: sparse_mla.paged_fp8_supported("TileLang"),
+                 lambda: sparse_mla.sparse_mla_paged_fp8_fwd(None, None, None, None, 0.1, backend="bogus")):
+        with pytest.raises(ValueError, match="^backend: expected one of ref, triton, tilelang or None"):
+            call()
+    assert not sparse_mla.paged_fp8_supported("triton")
+    with pytest.raises(ValueError, match="^backend: the paged fp8 kernel exists for tilelang only, got 'ref'"):
+        sparse_mla.sparse_mla_paged_fp8_fwd(None, None, None, None, 0.1, backend="ref")
 
 
 def test_log_line_names_the_dp_rank(fresh_process, caplog):

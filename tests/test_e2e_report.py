@@ -359,6 +359,16 @@ def test_sampling_flags_are_validated_and_seeded_per_prompt(capsys):
         assert message in capsys.readouterr().err
 
 
+def test_dpjob_refuses_a_bad_environ():
+    """environ is applied in each rank before its record exists: a bad one is refused by DPJob, not left to
+    crash every rank with the error on stderr only."""
+    for environ in ((("DEEPINFER_FLAG", 1),), (("BAD=NAME", "1"),), (("", "1"),), {"DEEPINFER_FLAG": "1"},
+                    (("DEEPINFER_FLAG", "a\0b"),)):
+        with pytest.raises(ValueError, match="^environ: expected a tuple of"):
+            DPJob(FakeFactory(), PROMPTS, CONTROL, 5, environ=environ)
+    DPJob(FakeFactory(), PROMPTS, CONTROL, 5, environ=(("DEEPINFER_FLAG", "1"),))
+
+
 def test_short_answers_fail_every_mode():
     """The engine ignores EOS, so every answer has max_new_tokens tokens; a rank that returns fewer
     fails the run also where tokens are not compared with the oracle (bf16, sampled)."""

@@ -1,6 +1,7 @@
 """fused_sample: the Philox stream, Triton == oracle token for token, distributions, determinism,
 bad input, backend resolution and the TileLang kernels' lowering. Thresholds: docs/sampling.md."""
 
+import importlib.util
 import math
 import os
 import subprocess
@@ -392,6 +393,9 @@ def test_bad_draw_backend_and_rejection_shapes():
         fs.greedy_sample(huge, backend="ref")
     with pytest.raises(ValueError, match="backend"):
         fs.sample(x, *params, backend="cuda")
+    if importlib.util.find_spec("tilelang") is not None:  # the tilelang kernels run on CUDA tensors only
+        with pytest.raises(ValueError, match="^logits: expected a CUDA tensor for the tilelang backend, got device cpu"):
+            fs.sample(x, *params, backend="tilelang")
     target, draft = torch.randn(3, 3, 20), torch.randn(3, 2, 20)
     tokens = torch.zeros(3, 2, dtype=torch.int64)
     with pytest.raises(ValueError, match="draft_logits"):
@@ -404,6 +408,22 @@ def test_bad_draw_backend_and_rejection_shapes():
         fs.rejection_sample(target, draft, tokens.float(), *params, backend="ref")
     with pytest.raises(ValueError, match="target_logits"):
         fs.rejection_sample(target[:, :1], draft[:, :0], tokens[:, :0], *params, backend="ref")
+
+
+@pytest.mark.parametrize("backend", ["ref", "triton", pytest.param("tilelang", marks=pytest.mark.gpu)])
+def test_empty_batch(backend):
+    """N = 0 gives empty results on every backend (a TileLang grid of 0 CTAs is not a valid launch: its
+    adapter returns before it)."""
+    if backend == "tilelang":
+        pytest.importorskip("tilelang")
+    e64, ef = torch.empty(0, dtype=torch.int64, device=DEVICE), torch.empty(0, device=DEVICE)
+    params = (e64, e64, ef, e64, ef)
+    assert fs.greedy_sample(torch.empty(0, 20, device=DEVICE), backend=backend).shape == (0,)
+    assert fs.sample(torch.empty(0, 20, device=DEVICE), *params, backend=backend).shape == (0,)
+    tokens, accepted = fs.rejection_sample(torch.empty(0, 3, 20, device=DEVICE), torch.empty(0, 2, 20, device=DEVICE),
+                                           torch.empty(0, 2, dtype=torch.int64, device=DEVICE), *params,
+                                           backend=backend)
+    assert tokens.shape == (0, 3) and accepted.shape == (0,)
 
 
 # ---------------------------------------------------------------- backend resolution and TileLang

@@ -13,6 +13,7 @@ stores keep the rounded rows.
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -389,6 +390,9 @@ def test_engine_rejects_bad_requests(checkpoint, backend_env):
     for prompt in ((5, 6), torch.tensor([5, 6])):
         with pytest.raises(TypeError, match=r"^requests\[0\]\.prompt_ids: expected a list of ints"):
             engine.generate([Request("a", prompt, 2)])
+    for token, kind in ((np.int64(5), "int64"), (5.0, "float"), (torch.tensor(5), "Tensor"), (True, "bool")):
+        with pytest.raises(TypeError, match=rf"^requests\[0\]\.prompt_ids: expected Python ints, got {kind}"):
+            engine.generate([Request("a", [4, token], 2)])  # in range, but not an int
     assert engine.generate([]) == []
     _all_pages_free(engine)
 
@@ -435,6 +439,8 @@ def test_sampling_params_are_validated_naming_the_field(checkpoint, backend_env)
         (dict(temperature=1e39), ValueError, "temperature"),  # not an fp32: would read as greedy
         (dict(temperature=2e38), ValueError, "temperature"),  # log2(e) / T subnormal: greedy under fast math
         (dict(temperature="0.8"), TypeError, "temperature"),
+        (dict(temperature=10**400), ValueError, "temperature"),  # beyond any float: was a bare OverflowError
+        (dict(top_p=-10**400), ValueError, "top_p"),
         (dict(top_k=-1), ValueError, "top_k"),
         (dict(top_k=2**63), ValueError, "top_k"),  # not an int64: the step's sampling tensors could not hold it
         (dict(top_k=2.0), TypeError, "top_k"),

@@ -7,7 +7,7 @@ convert them behind their own barriers, and O leaves by TMA; the kernel waits fo
 kernel before any global access (programmatic dependent launch); bad caches are rejected by name. GPU (@pytest.mark.gpu): against the float32 oracle on the
 torch-dequantized rows of both caches (cache 0's rows, then cache 1's: the kernel's indices are
 absolute rows of that concatenation), with invalid fillers, lengths, sinks and e4m3 NaN codes in every
-slot no valid entry selects."""
+slot no valid entry selects; rows with scales above 2^7 (two conversion factors), bit for bit."""
 
 import math
 import os
@@ -160,3 +160,29 @@ def test_matches_oracle(h_q, batch, s_q, n_win, n_cmp, extras):
     assert bool((err <= torch.maximum(torch.full_like(err, 8e-4), ref.out.abs() * (3.01 / 128))).all()), err.max()
     lse_err = (lse[~empty] - ref_lse2[~empty]).abs()
     assert bool((lse_err <= torch.maximum(torch.full_like(lse_err, 1e-5), ref_lse2[~empty].abs() * 4.01 / 65536)).all())
+
+
+@pytest.mark.gpu
+def test_scales_above_2_to_the_7_dequantize_exactly():
+    """kv_quant writes ue8m0 scale bytes up to 247 (tiles with |x| > 57344 get scales above 2^7), where
+    the conversion's single bf16 factor 2^(t - 7) would overflow: such groups take two factors. One entry
+    per query (P = 1), so out is that row as gather_dequant / the torch reference dequantize it, bit for
+    bit; every 64-dim group of a row has its own magnitude, 2^-10 .. 2^100."""
+    from engine.h20_ops.sparse_mla_sm90_paged_fp8 import sparse_mla_fwd_sm90_paged_fp8
+
+    dev, block_size, n = torch.device("cuda"), 64, 256
+    g = torch.Generator(device=dev).manual_seed(7)
+    exponents = torch.tensor([-10, 0, 15, 16, 17, 40, 80, 100], device=dev, dtype=torch.float32)
+    pick = (torch.arange(n, device=dev)[:, None] + torch.arange(8, device=dev)[None, :]) % 8  # [n, 8 groups]
+    magnitude = torch.exp2(exponents[pick]).repeat_interleave(64, dim=1)  # [n, 512]
+    kv = (torch.randn(n, 1, 512, generator=g, device=dev) * magnitude[:, None, :]).bfloat16()
+    cache = kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, n // block_size, block_size, dev)
+    kv_quant.quantize_into_cache(cache, torch.arange(n, device=dev), kv)
+    scale_bytes = cache.view(n // block_size, -1)[:, block_size * 576:block_size * 584].reshape(n, 8)[:, :7]
+    assert int(scale_bytes.max()) > 134 and int(scale_bytes.min()) < 134  # both conversion paths run
+    rows = kv_quant.dequantize_from_cache_ref(cache, torch.arange(n, device=dev), torch.bfloat16)
+    assert torch.isfinite(rows.float()).all()
+    q = (torch.randn(n, 64, 512, generator=g, device=dev) * 0.1).bfloat16()
+    idx = torch.arange(n, device=dev, dtype=torch.int32).view(n, 1)
+    out, _ = sparse_mla_fwd_sm90_paged_fp8(q, cache, None, idx, 512 ** -0.5)
+    assert torch.equal(out, rows[:, 0, :].unsqueeze(1).expand(n, 64, 512))

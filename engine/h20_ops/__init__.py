@@ -12,6 +12,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def triton_interprets() -> bool:
+    """Whether Triton runs its kernels under the CPU interpreter, as Triton itself reads
+    TRITON_INTERPRET (1, true, yes or on, any case): the launch code must agree with how the
+    kernels were built."""
+    import triton  # here, not at the top: engine.ops imports this package and works without Triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
 DEFAULT_SM_COUNT = 132  # H100/H200: what grids and splits are sized for without a CUDA device
 
 

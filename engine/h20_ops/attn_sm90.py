@@ -207,8 +207,8 @@ def _check_decode_args(q, kv_windows, indices, attn_sink, topk_length, extra_kv_
 
 def _require_decode_q(q, dtypes) -> None:
     require_tensor("q", q, dtypes=dtypes, ndim=4)
-    if q.size(0) < 1 or q.size(1) < 1:
-        raise ValueError(f"q: expected at least one request and one query token, got shape {tuple(q.shape)}")
+    if q.size(0) < 1 or q.size(1) < 1 or q.size(2) < 1:
+        raise ValueError(f"q: expected at least one request, one query token and one head, got shape {tuple(q.shape)}")
     if q.size(3) < D_V:
         raise ValueError(f"q: expected D >= {D_V} (the output is the first {D_V} columns of the kv rows), "
                          f"got shape {tuple(q.shape)}")

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from engine import config
+from engine.h20_ops import triton_interprets
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,9 @@ class BackendSelector:
             import_tilelang_module_or_explain(self.tilelang_module, f"{self.variable}=tilelang")
             return Resolution("tilelang", f"{self.variable}=tilelang", None)
         if not torch.cuda.is_available():
-            return Resolution("triton", "auto: no CUDA device (Triton interpreter)", None)
+            reason = ("auto: no CUDA device (Triton interpreter)" if triton_interprets() else
+                      "auto: no CUDA device, and TRITON_INTERPRET turns Triton's interpreter off: its kernels cannot run")
+            return Resolution("triton", reason, None)
         try:
             self.import_tilelang()
         except ModuleNotFoundError as exc:

@@ -16,11 +16,14 @@ SUPPORTED_D_QK = (512, 576)
 SUPPORTED_D_V = (512,)
 
 
-def require_tensor(name: str, t, *, dtypes: tuple[torch.dtype, ...], ndim: int | tuple[int, ...]) -> None:
+def require_tensor(name: str, t, *, dtypes: tuple[torch.dtype, ...], ndim: int | tuple[int, ...],
+                   dtype_note: str | None = None) -> None:
+    """dtype_note: why only these dtypes, appended to the dtype error."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
-        raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+        note = f" ({dtype_note})" if dtype_note else ""
+        raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}{note}, got {t.dtype}")
     ndims = (ndim,) if isinstance(ndim, int) else ndim
     if t.dim() not in ndims:
         raise ValueError(f"{name}: expected {' or '.join(map(str, ndims))} dims, got shape {tuple(t.shape)}")
@@ -68,13 +71,15 @@ def check_sparse_mla_args(
     topk_length: torch.Tensor | None,
     *,
     q_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
+    q_dtype_note: str | None = None,
     limit_shapes: bool = True,
     names: dict[str, str] | None = None,
 ) -> tuple[SparseMlaShape, torch.Tensor]:
     """Validate the prefill operator's arguments; returns the shape and indices as [s_q, topk].
 
     q [s_q, h_q, d_qk]; kv [s_kv, 1, d_qk]; indices [s_q, topk] or [s_q, 1, topk] int32;
-    attn_sink [h_q] float32; topk_length [s_q] int32. `limit_shapes` restricts h_q / d_qk / d_v to
+    attn_sink [h_q] float32; topk_length [s_q] int32. `q_dtype_note` says why q must have one of
+    `q_dtypes` (in the dtype error). `limit_shapes` restricts h_q / d_qk / d_v to
     the model shapes the kernels are built for (the reference accepts any). `names` maps these
     argument names to the caller's (an entry point's errors name its own arguments).
     """
@@ -83,7 +88,7 @@ def check_sparse_mla_args(
     def n(arg: str) -> str:
         return names.get(arg, arg)
 
-    require_tensor(n("q"), q, dtypes=q_dtypes, ndim=3)
+    require_tensor(n("q"), q, dtypes=q_dtypes, ndim=3, dtype_note=q_dtype_note)
     require_tensor(n("kv"), kv, dtypes=(q.dtype,), ndim=3)
     require_tensor(n("indices"), indices, dtypes=(torch.int32,), ndim=(2, 3))
     require_same_device(n("q"), q, **{n("kv"): kv, n("indices"): indices, n("attn_sink"): attn_sink,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.h20_ops import triton_interprets
 from engine.h20_ops.backend_select import BackendSelector, import_tilelang_module_or_explain
 from engine.h20_ops.checks import require_last_dim_contiguous, require_same_device, require_tensor
 from engine.h20_ops.fused_sample_ref import DRAW_DRAFT, DRAW_SAMPLE, sampling_scale
@@ -46,7 +47,9 @@ def resolve_backend() -> str:
     return backend_resolution().backend
 
 
-def _implementation(backend: str | None):
+def _implementation(backend: str | None, logits_name: str, logits: torch.Tensor):
+    """The backend's module, once the logits are on a device it runs on (the kernels would fail with
+    a launcher's error instead)."""
     if backend is None:
         backend = resolve_backend()
     elif backend not in BACKENDS:
@@ -54,9 +57,14 @@ def _implementation(backend: str | None):
     if backend == "ref":
         from engine.h20_ops import fused_sample_ref as impl
     elif backend == "triton":
+        if not (logits.is_cuda or triton_interprets()):
+            raise ValueError(f"{logits_name}: expected a CUDA tensor for the triton backend (or Triton's interpreter: "
+                             f"TRITON_INTERPRET=1), got device {logits.device}")
         from engine.h20_ops import fused_sample_triton as impl
     else:
         impl = import_tilelang_module_or_explain(TILELANG_KERNEL_MODULE, "fused_sample backend 'tilelang'")
+        if not logits.is_cuda:
+            raise ValueError(f"{logits_name}: expected a CUDA tensor for the tilelang backend, got device {logits.device}")
     return impl
 
 
@@ -92,7 +100,7 @@ def _request_tensors(ref_name, ref, seeds, positions, temperature, top_k, top_p)
 def greedy_sample(logits: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """First index of each row's maximum: tokens [N] int64."""
     _check_logits("logits", logits, 2)
-    return _implementation(backend).greedy(logits)
+    return _implementation(backend, "logits", logits).greedy(logits)
 
 
 def sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor,
@@ -103,7 +111,7 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, t
     if isinstance(draw, bool) or not isinstance(draw, int) or draw not in (DRAW_SAMPLE, DRAW_DRAFT):
         raise ValueError(f"draw: expected DRAW_SAMPLE ({DRAW_SAMPLE}) or DRAW_DRAFT ({DRAW_DRAFT}), got {draw!r}")
     args = _request_tensors("logits", logits, seeds, positions, temperature, top_k, top_p)
-    return _implementation(backend).sample(logits, *args, draw)
+    return _implementation(backend, "logits", logits).sample(logits, *args, draw)
 
 
 def rejection_sample(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens: torch.Tensor,
@@ -125,5 +133,5 @@ def rejection_sample(target_logits: torch.Tensor, draft_logits: torch.Tensor, dr
         raise ValueError(f"draft_tokens: expected shape {(n, k1 - 1)}, got {tuple(draft_tokens.shape)}")
     require_same_device("target_logits", target_logits, draft_logits=draft_logits, draft_tokens=draft_tokens)
     args = _request_tensors("target_logits", target_logits, seeds, positions, temperature, top_k, top_p)
-    return _implementation(backend).rejection_sample(target_logits, draft_logits,
+    return _implementation(backend, "target_logits", target_logits).rejection_sample(target_logits, draft_logits,
                                                      draft_tokens.to(torch.int64).contiguous(), *args)

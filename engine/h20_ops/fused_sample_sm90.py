@@ -495,16 +495,19 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.is_contiguous() else logits.contiguous()
 
 
+# An empty batch returns before the launch: a grid of 0 CTAs is an invalid CUDA launch (Triton skips it).
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(logits.size(0), dtype=torch.int64, device=logits.device)
-    _compiled("greedy", TILELANG_DTYPES[logits.dtype])(_rows(logits), out)
+    if out.numel():
+        _compiled("greedy", TILELANG_DTYPES[logits.dtype])(_rows(logits), out)
     return out
 
 
 def sample(logits, seeds, positions, scales, top_k, top_p, draw: int) -> torch.Tensor:
     out = torch.empty(logits.size(0), dtype=torch.int64, device=logits.device)
-    _compiled("sample", TILELANG_DTYPES[logits.dtype], draw)(_rows(logits), seeds, positions, scales, top_k, top_p,
-                                                            out)
+    if out.numel():
+        _compiled("sample", TILELANG_DTYPES[logits.dtype], draw)(_rows(logits), seeds, positions, scales, top_k,
+                                                                top_p, out)
     return out
 
 
@@ -512,6 +515,8 @@ def rejection_sample(target_logits, draft_logits, draft_tokens, seeds, positions
     n, k1, v = target_logits.shape
     tokens = torch.full((n, k1), -1, dtype=torch.int64, device=target_logits.device)
     accepted = torch.empty(n, dtype=torch.int64, device=target_logits.device)
+    if n == 0:
+        return tokens, accepted
     _compiled("rejection", TILELANG_DTYPES[target_logits.dtype])(
         _rows(target_logits).view(n * k1, v), _rows(draft_logits).view(n * (k1 - 1), v), draft_tokens, seeds,
         positions, scales, top_k, top_p, tokens, accepted)

@@ -22,18 +22,15 @@ keeps per-lane sums and reduces them once (a reduction per block tripled its tim
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from engine.h20_ops import fused_sample_ref
+from engine.h20_ops import fused_sample_ref, triton_interprets
 
 # Under the CPU interpreter every block op is numpy work: a small block keeps tests fast and still
 # exercises the multi-block loops.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-BLOCK_V = 64 if _INTERPRETED else 1024
+BLOCK_V = 64 if triton_interprets() else 1024
 NUM_WARPS = 16  # one program per row; its passes run 1.4x faster than with 8 warps (docs/sampling.md)
 WEIGHT_END = tl.constexpr(4294967297)  # 2^32 + 1: one past the largest weight
 # top-p searches logit keys when they span at most 2^30 (always so with bf16 values): <= 30 mass passes

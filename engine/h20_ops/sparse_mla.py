@@ -56,6 +56,17 @@ def _run_tilelang(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
 _BACKENDS = {"ref": _run_ref, "triton": _run_triton, "tilelang": _run_tilelang}
 _Q_DTYPES = {"ref": (torch.bfloat16, torch.float32), "triton": (torch.bfloat16, torch.float32),
              "tilelang": (torch.bfloat16,)}  # the TileLang kernels are built for bf16 only
+_Q_DTYPE_NOTES = {"tilelang": "the tilelang backend's kernels are bf16 only; DEEPINFER_SPARSE_MLA_BACKEND=triton "
+                              "runs float32"}
+
+
+def _backend(backend: str | None) -> str:
+    """An explicit backend, validated, or the process's resolution."""
+    if backend is None:
+        return resolve_backend()
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(_BACKENDS)} or None, got {backend!r}")
+    return backend
 
 
 def sparse_mla_fwd(q, kv, indices, sm_scale, *, d_v: int = 512, attn_sink=None, topk_length=None,
@@ -64,20 +75,18 @@ def sparse_mla_fwd(q, kv, indices, sm_scale, *, d_v: int = 512, attn_sink=None, 
     [s_q, 1, topk]) int32, absolute rows of kv, any out-of-range value invalid; attn_sink [h_q] fp32;
     topk_length [s_q] int32. Returns (out [s_q, h_q, d_v] in q's dtype, lse [s_q, h_q] fp32 base 2).
     arg_names: an entry point's names for these arguments, used in the errors of the checks."""
-    if backend is None:
-        backend = resolve_backend()
-    elif backend not in _BACKENDS:
-        raise ValueError(f"backend: expected one of {', '.join(_BACKENDS)} or None, got {backend!r}")
+    backend = _backend(backend)
     _, indices = check_sparse_mla_args(
         q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
-        q_dtypes=_Q_DTYPES[backend], limit_shapes=backend != "ref", names=arg_names)
+        q_dtypes=_Q_DTYPES[backend], q_dtype_note=_Q_DTYPE_NOTES.get(backend), limit_shapes=backend != "ref",
+        names=arg_names)
     return _BACKENDS[backend](q, kv, indices, float(sm_scale), d_v, attn_sink, topk_length)
 
 
 def paged_fp8_supported(backend: str | None = None) -> bool:
     """Whether the backend has a kernel reading paged fp8 MODEL1 caches directly (TileLang only: the
     others attend over rows that kv_quant.gather_dequant wrote into a bf16 buffer first)."""
-    return (resolve_backend() if backend is None else backend) == "tilelang"
+    return _backend(backend) == "tilelang"
 
 
 def sparse_mla_paged_fp8_fwd(q, cache0, cache1, slot_indices, sm_scale, *, attn_sink=None, topk_length=None,
@@ -87,8 +96,7 @@ def sparse_mla_paged_fp8_fwd(q, cache0, cache1, slot_indices, sm_scale, *, attn_
     slot_indices [s_q, topk] int32: s < n_slots0 is cache0's slot s, n_slots0 <= s < n_slots0 + n_slots1
     cache1's slot s - n_slots0, anything else invalid. Returns (out [s_q, h_q, 512] bf16, lse base 2).
     cache_names: an entry point's names for cache0 and cache1, used in the errors of the checks."""
-    if backend is None:
-        backend = resolve_backend()
+    backend = _backend(backend)
     if not paged_fp8_supported(backend):
         raise ValueError(f"backend: the paged fp8 kernel exists for tilelang only, got {backend!r} "
                          "(gather the rows with kv_quant.gather_dequant and call sparse_mla_fwd)")

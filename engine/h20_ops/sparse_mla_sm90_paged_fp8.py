@@ -28,8 +28,9 @@ entry point's slot-id launch) finishes; every thread waits for it (cudaGridDepen
 before any global access. (TileLang then drops __restrict__ from the parameters: no measurable cost
 here; the bf16 kernel of sparse_mla_sm90 lost ~1% on prefill that way and does not do it.)
 
-Constraints: h_q 64 or 128, d_qk 512 (MODEL1); caches 16-byte aligned, at most 16 GiB each; e4m3
-scales up to 2^7 (kv_quant writes larger ones only for |x| > 57344).
+Constraints: h_q 64 or 128, d_qk 512 (MODEL1); caches 16-byte aligned, at most 16 GiB each. Any
+ue8m0 scale kv_quant writes (up to 2^120) dequantizes exactly; scales above 2^7 (tiles with
+|x| > 57344) take a second multiply.
 
 Speed (H200, docs/decode.md): with one item per SM, ~17 us per launch + ~6.5 us per pair of blocks, of
 which the row loads are ~5 us and ~1.7 us (every entry masked: ~12 + ~4.8 us); the rest is the pair's
@@ -89,12 +90,20 @@ template <typename D, typename S>
 __device__ __forceinline__ void fp8_cp4s(D *dst, const S *base0, const S *base1, int sel, long long off, bool ok) {
   fp8_cp4(dst, (sel ? base1 : base0) + off, ok);
 }
-// Dequantize 16 staged e4m3 bytes w (already in registers) times 2^((e & 0xff) - 127) and store them as
-// bf16: dims [0, 8) -> lo, [8, 16) -> hi (the group's two 16-byte chunks).
-template <typename D>
+// Dequantize 16 staged e4m3 bytes w (already in registers) times 2^(t - 127), t = e & 0xff (the group's
+// ue8m0 byte), and store them as bf16: dims [0, 8) -> lo, [8, 16) -> hi (the group's two 16-byte chunks).
+// The e4m3 bits placed in a bf16 (b) read as value * 2^-120, subnormals included, so value * 2^(t - 127)
+// = b * 2^(t - 7): one exact multiply while 2^(t - 7) is a bf16 (t <= 134: scales up to 2^7); kTwo: a
+// second factor, for rows with a larger scale (kv_quant writes t up to 247, for tiles with |x| > 57344).
+template <bool kTwo, typename D>
 __device__ __forceinline__ void fp8_cvt_store(const uint4 w, unsigned e, D *lo, D *hi) {
-  const unsigned s16 = (((e & 0xffu) + 120u) & 0xffu) << 7;  // bf16 2^(e - 7)
-  const unsigned s2 = s16 | (s16 << 16);
+  const unsigned t = e & 0xffu;
+  unsigned f0 = t + 120u, f1 = 127u;  // bf16 exponent fields of the factors (f1 = 127: 1.0)
+  if (kTwo && t > 134u) {
+    f1 = ((t - 7u) >> 1) + 127u;
+    f0 -= f1 - 127u;
+  }
+  const unsigned s0 = (f0 << 7) | (f0 << 23), s1 = (f1 << 7) | (f1 << 23);
   const unsigned in[4] = {w.x, w.y, w.z, w.w};
   unsigned out[8];
 #pragma unroll
@@ -104,7 +113,8 @@ __device__ __forceinline__ void fp8_cvt_store(const uint4 w, unsigned e, D *lo, 
       // bytes 2h, 2h + 1 of the word into the high bytes of the two 16-bit lanes
       const unsigned x = __byte_perm(in[i], 0u, h ? 0x3424u : 0x1404u);
       const unsigned b = (x & 0x80008000u) | ((x >> 4) & 0x07f007f0u);
-      asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out[2 * i + h]) : "r"(b), "r"(s2));
+      asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out[2 * i + h]) : "r"(b), "r"(s0));
+      if (kTwo) asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out[2 * i + h]) : "r"(out[2 * i + h]), "r"(s1));
     }
   }
   *reinterpret_cast<uint4 *>(lo) = make_uint4(out[0], out[1], out[2], out[3]);
@@ -112,9 +122,10 @@ __device__ __forceinline__ void fp8_cvt_store(const uint4 w, unsigned e, D *lo, 
 }
 // One ring row's share of one thread, given as pointer pairs (lo_g, hi_g) of its groups g: 4 in the
 // left half, 3 in the right. Staged: group g's 16 raw e4m3 bytes in chunk lo_g, the row's 4-byte scale
-// word (byte g: group g's ue8m0 scale) at the start of chunk hi_0. Everything staged is read into
-// registers first (one 16-byte load per group, all in flight together), then the groups are
-// converted and stored over it.
+// word (byte g: group g's ue8m0 scale; the right half's byte 3 is the pad byte) at the start of chunk
+// hi_0. Everything staged is read into registers first (one 16-byte load per group, all in flight
+// together), then the groups are converted and stored over it; a row with a scale byte above 134 (one
+// test per row) takes the two-factor conversion.
 template <typename D, typename... Rest>
 __device__ __forceinline__ void fp8_cvt_row(D *lo0, D *hi0, Rest... rest) {
   constexpr int n = 1 + sizeof...(Rest) / 2;
@@ -123,8 +134,14 @@ __device__ __forceinline__ void fp8_cvt_row(D *lo0, D *hi0, Rest... rest) {
   uint4 w[n];
 #pragma unroll
   for (int g = 0; g < n; ++g) w[g] = *reinterpret_cast<const uint4 *>(p[2 * g]);
+  // some byte of e above 134: bit 7 set and its low 7 bits above 6 (no carry crosses a byte)
+  if ((((e & 0x7f7f7f7fu) + 0x79797979u) & e & 0x80808080u) == 0u) {
 #pragma unroll
-  for (int g = 0; g < n; ++g) fp8_cvt_store(w[g], e >> (8 * g), p[2 * g], p[2 * g + 1]);
+    for (int g = 0; g < n; ++g) fp8_cvt_store<false>(w[g], e >> (8 * g), p[2 * g], p[2 * g + 1]);
+  } else {
+#pragma unroll
+    for (int g = 0; g < n; ++g) fp8_cvt_store<true>(w[g], e >> (8 * g), p[2 * g], p[2 * g + 1]);
+  }
 }
 """
 

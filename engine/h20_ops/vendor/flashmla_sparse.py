@@ -42,7 +42,6 @@ Deliberate deviations from FlashMLA:
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -50,13 +49,13 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.h20_ops import cuda_capability, dependent_launch, require_interpretable_numpy
+from engine.h20_ops import cuda_capability, dependent_launch, require_interpretable_numpy, triton_interprets
 from engine.h20_ops.checks import check_sparse_mla_args
 from engine.h20_ops.vendor import flashmla_sparse_sm90
 
 LOG2E = 1.0 / math.log(2.0)
 _HEADS_PER_PROGRAM = 64
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = triton_interprets()  # Triton decided at import (decoration) time, from the same variable
 
 
 @triton.jit
@@ -193,7 +192,7 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     shape, indices = check_sparse_mla_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
                                            q_dtypes=(torch.bfloat16, torch.float32))
     if not (q.is_cuda or _INTERPRET):
-        raise ValueError(f"q: expected a CUDA tensor (or TRITON_INTERPRET=1), got device {q.device}")
+        raise ValueError(f"q: expected a CUDA tensor (or Triton's interpreter: TRITON_INTERPRET=1), got device {q.device}")
     if _INTERPRET:
         require_interpretable_numpy("flash_mla_sparse_fwd")
     s_q, h_q = shape.s_q, shape.h_q
