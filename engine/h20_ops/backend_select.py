@@ -134,7 +134,8 @@ class BackendSelector:
             return Resolution("tilelang", f"{self.variable}=tilelang", None)
         if not torch.cuda.is_available():
             reason = ("auto: no CUDA device (Triton interpreter)" if triton_interprets() else
-                      "auto: no CUDA device, and TRITON_INTERPRET turns Triton's interpreter off: its kernels cannot run")
+                      "auto: no CUDA device, and TRITON_INTERPRET turns Triton's interpreter off: its kernels "
+                      "cannot run")
             return Resolution("triton", reason, None)
         try:
             self.import_tilelang()

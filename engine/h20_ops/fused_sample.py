@@ -64,7 +64,8 @@ def _implementation(backend: str | None, logits_name: str, logits: torch.Tensor)
     else:
         impl = import_tilelang_module_or_explain(TILELANG_KERNEL_MODULE, "fused_sample backend 'tilelang'")
         if not logits.is_cuda:
-            raise ValueError(f"{logits_name}: expected a CUDA tensor for the tilelang backend, got device {logits.device}")
+            raise ValueError(f"{logits_name}: expected a CUDA tensor for the tilelang backend, "
+                             f"got device {logits.device}")
     return impl
 
 

@@ -192,7 +192,8 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     shape, indices = check_sparse_mla_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
                                            q_dtypes=(torch.bfloat16, torch.float32))
     if not (q.is_cuda or _INTERPRET):
-        raise ValueError(f"q: expected a CUDA tensor (or Triton's interpreter: TRITON_INTERPRET=1), got device {q.device}")
+        raise ValueError(f"q: expected a CUDA tensor (or Triton's interpreter: TRITON_INTERPRET=1), "
+                         f"got device {q.device}")
     if _INTERPRET:
         require_interpretable_numpy("flash_mla_sparse_fwd")
     s_q, h_q = shape.s_q, shape.h_q
