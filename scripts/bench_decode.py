@@ -2,7 +2,9 @@
 """Decode speed with the fp8 KV cache (GPU): the DeepSeek-V4-Flash decode step of one compressed layer.
 
 Shapes: B in {1, 8, 64, 128}, s_q in {1, 2}, h_q 64, d 512, SWA window W = 128 rows (main cache,
-topk 128) + E = 512 compressed rows (extra cache, etopk 512): 640 valid entries per query. Both
+topk 128) + E = 512 compressed rows (extra cache, etopk 512): 640 valid entries per query (--heads and
+--extra change h_q and E, e.g. h_q 128 with 2048 entries, the shape of FlashMLA's published sparse fp8
+decode figure: b 128, h_q 128, s_q 2, topk 2048, 410 TFLOP/s on an H800). Both
 caches are paged MODEL1 fp8 (584 B/token). One step = 2 Triton gather_dequant launches (fp8 rows ->
 one bf16 [B, W+E, 1, 512] buffer) + decode_attn_sparse (one kernel launch; with the split, plus the
 merge). Each configuration runs without the split (S = 1) and with the automatic split; with the
@@ -16,7 +18,7 @@ Columns (times: median of triton.testing.do_bench, L2 flushed before each run):
     gather -, attn = step = decode_attn_sparse_paged_fp8, kernel = its kernel launch alone.
   graph ms: the same step captured once in a CUDA graph and replayed (what a serving loop that
     graph-captures its decode step pays: GPU time without Python and launch overhead).
-  TFLOP/s: 2 * B * s_q * 640 * h_q * (512 + 512) / graph time (masked slots: none here).
+  TFLOP/s: 2 * B * s_q * (W + E) * h_q * (512 + 512) / graph time (masked slots: none here).
   read GB/s: bytes the step actually reads / graph time: fp8 rows + slot ids (gather), bf16 rows +
     indices + q per program (kernel; q once per split chunk), partial outputs (merge); paged: fp8
     rows per query + slot ids + q.
@@ -28,7 +30,8 @@ Columns (times: median of triton.testing.do_bench, L2 flushed before each run):
   batch, for 1 to 10 pairs of 64-entry blocks, with the rows read and with every entry masked by
   topk_length = 0 (the same work without row reads): the slopes are the cost of a pair with and
   without its loads, the intercepts the cost of a launch besides its pairs (docs/decode.md).
-Usage: python scripts/bench_decode.py [--backend triton|tilelang] [--batches 1,8,64,128]   (needs CUDA)
+Usage: python scripts/bench_decode.py [--backend triton|tilelang] [--batches 1,8,64,128] [--heads 64|128]
+           [--extra 512]   (needs CUDA)
        python scripts/bench_decode.py --pair-sweep [--batches 128]   (needs CUDA and TileLang)
        python scripts/bench_decode.py --small   (tiny shapes on any device: checks this script)
 """
@@ -150,6 +153,9 @@ def main() -> int:
     parser.add_argument("--batches", default="1,8,64,128", help="comma-separated batch sizes (default 1,8,64,128)")
     parser.add_argument("--pair-sweep", action="store_true",
                         help="only the paged fp8 kernel's time vs pairs, rows read vs masked (TileLang, CUDA)")
+    parser.add_argument("--heads", type=int, choices=(64, 128), default=64, help="h_q (default 64)")
+    parser.add_argument("--extra", type=int, default=512,
+                        help="E: compressed entries per query besides the 128 window entries (default 512)")
     opts = parser.parse_args()
     try:
         batches = tuple(int(b) for b in opts.batches.split(","))
@@ -157,6 +163,12 @@ def main() -> int:
         parser.error(f"--batches: expected comma-separated integers, got {opts.batches!r}")
     if min(batches) < 1:
         parser.error(f"--batches: expected sizes >= 1, got {opts.batches!r}")
+    if opts.extra < 1:
+        parser.error(f"--extra: expected >= 1, got {opts.extra}")
+    if opts.small and opts.extra != 512:
+        parser.error("--small: runs W 32 + E 96 (no --extra)")
+    if opts.pair_sweep and (opts.heads, opts.extra) != (64, 512):
+        parser.error("--pair-sweep: runs at h_q 64 with its own entry counts (no --heads / --extra)")
     if not torch.cuda.is_available() and not opts.small:
         print("bench_decode.py needs a CUDA device (or --small)")
         return 2
@@ -164,8 +176,8 @@ def main() -> int:
         os.environ["DEEPINFER_SPARSE_MLA_BACKEND"] = opts.backend
     sparse_mla.reset_resolution_for_tests()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    heads = 64
-    width, extra = (32, 96) if opts.small else (128, 512)
+    heads = opts.heads
+    width, extra = (32, 96) if opts.small else (128, opts.extra)
     batches = (1,) if opts.small else batches
     hbm, gemm = device_rates(device, opts.small)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
@@ -241,7 +253,8 @@ def main() -> int:
                     kernel_ms = timer(lambda: sparse_mla.sparse_mla_paged_fp8_fwd(*k_args, **k_kwargs), device)
                     step_ms = timer(paged_step, device)
                     graph_ms = timer(graphed(paged_step, device), device)
-                    read = (n_rows * entries * (FP8_ROW_READ + 4 + 4 + 8)  # fp8 row, index, slot table, slot id
+                    read = (n_rows * entries * (FP8_ROW_READ + 4 + 4 + 8) * -(-heads // 64)  # fp8 row, index,
+                            # slot table, slot id (per CTA of 64 heads)
                             + n_rows * splits * heads * D * 2  # q per chunk
                             + (n_rows * splits * heads * (D * 2 + 4) if splits > 1 else 0))  # merge
                     row(batch, s_q, f"p{splits}", None, step_ms, kernel_ms, step_ms, graph_ms, flop, read,
