@@ -36,8 +36,9 @@ Speed (H200, docs/decode.md): with one item per SM, ~17 us per launch + ~6.5 us 
 which the row loads are ~5 us and ~1.7 us (every entry masked: ~12 + ~4.8 us); the rest is the pair's
 chain (conversion, S, softmax, two P V, exchanges) and the launch's Q in / O out. Moving the conversion
 from the producer to the consumers gained 1.01-1.13x (batch <= 64); prefetching the next pairs' rows
-into L2 and a schedule that loads the next block during the current one (consumers splitting Q K^T by
-columns) did not help.
+into L2, a schedule that loads the next block during the current one (consumers splitting Q K^T by
+columns) and, at h_q 128, the two CTAs of a token sharing their converted rows through a cluster
+(each loading and converting half: 0.84-0.92x, the handshakes sit on the S path) did not help.
 """
 
 import functools
