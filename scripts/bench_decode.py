@@ -21,7 +21,7 @@ Columns (times: median of triton.testing.do_bench, L2 flushed before each run):
   TFLOP/s: 2 * B * s_q * (W + E) * h_q * (512 + 512) / graph time (masked slots: none here).
   read GB/s: bytes the step actually reads / graph time: fp8 rows + slot ids (gather), bf16 rows +
     indices + q per program (kernel; q once per split chunk), partial outputs (merge); paged: fp8
-    rows per query + slot ids + q.
+    rows per query and CTA of 64 heads + slot ids + q.
   roofline ms: the binding bound of an ideal fused fp8 kernel, max(FLOP / bf16 GEMM rate, bytes /
     HBM bandwidth) with bytes = each request's 640 fp8 rows once + q + out; both rates measured in
     this run (torch bf16 8192^3 GEMM; device-to-device copy of 2 GiB, read + write).
