@@ -23,7 +23,7 @@ Columns (times: median of triton.testing.do_bench, L2 flushed before each run):
     indices + q per program (kernel; q once per split chunk), partial outputs (merge); paged: fp8
     rows per query and CTA of 64 heads + slot ids + q.
   roofline ms: the binding bound of an ideal fused fp8 kernel, max(FLOP / bf16 GEMM rate, bytes /
-    HBM bandwidth) with bytes = each request's 640 fp8 rows once + q + out; both rates measured in
+    HBM bandwidth) with bytes = each request's W + E fp8 rows once + q + out; both rates measured in
     this run (torch bf16 8192^3 GEMM; device-to-device copy of 2 GiB, read + write).
   frac: roofline ms / graph ms (eager frac: roofline ms / step ms).
 --pair-sweep (TileLang): instead, the paged fp8 kernel alone (graph replay) at s_q 1 and the largest
