@@ -33,8 +33,9 @@ def test_kernel_compiles_async_without_spills(h_q):
 
     kernel = fp8.compiled_kernel(h_q)
     src = kernel.get_kernel_source()
-    # the conversion: its definition, then one call per consumer and half (4 groups left, 3 right)
-    assert "fp8_cp16s(" in src and src.count("fp8_cvt_row(") == 1 + 4
+    # the conversion: definitions, then one call per consumer and half (left: per row, 2 pairs of groups;
+    # right: both rows of the thread, 3 pairs)
+    assert "fp8_cp16s(" in src and src.count("fp8_cvt_left(") == 1 + 2 and src.count("fp8_cvt_right(") == 1 + 2
     assert src.count("tma_store(") == 2 and "Out[" not in src
     # cp.async arrivals: each half's in both gather orders (Q arrives by TMA, one box per 64 columns);
     # each consumer converts the halves it reads first behind its own 128-thread barrier (named

@@ -15,14 +15,16 @@ dequantized exactly (e4m3 * 2^(scale - 127) is a bf16 value) before they enter t
 Schedule: sparse_mla_sm90's consumers (consumer_parts) and ring; a different producer warpgroup, and
 the consumers convert. Per pair the producer resolves the 128 entries into a shared row table (token
 data offset / 16 with the cache in bit 30, scale offset / 8) and, per (buffer, half) as soon as its
-slot is free, cp.asyncs each 16-column group's raw e4m3 bytes into that group's own output chunk of
-the ring (the row's scale bytes into another of its chunks; RoPE straight to its place) and arrives
-on the half's ready barrier when its copies land (cp.async.mbarrier.arrive.noinc). The consumer that
-reads a half first (in its S) converts it in place after that barrier: its thread t converts exactly
-the chunks producer thread t staged (reads, then overwrites only those), then fence.proxy.async and a
-barrier of that consumer's 128 threads before the S; the other consumer reads the half only after
-the max exchange. So the producer only issues copies, and the conversion runs on 256 threads. Q
-arrives by TMA on its own barrier (consumer_parts' load_q), waited for before an item's first S.
+slot is free, cp.asyncs the raw e4m3 bytes of each pair of 16-column groups (32 dims, one scale) into
+the first two of that pair's four output chunks of the ring, so that every 32-byte sector of a row
+lands in one 32-byte slot of shared memory (the row's scale bytes go into a third chunk; RoPE
+straight to its place), and arrives on the half's ready barrier when its copies land
+(cp.async.mbarrier.arrive.noinc). The consumer that reads a half first (in its S) converts it in
+place after that barrier, one thread per pair of groups (loads both staged chunks, then stores all
+four), then fence.proxy.async and a barrier of that consumer's 128 threads before the S; the other
+consumer reads the half only after the max exchange. So the producer only issues copies, and the
+conversion runs on 256 threads. Q arrives by TMA on its own barrier (consumer_parts' load_q), waited
+for before an item's first S.
 Programmatic dependent launch: a CTA may start while the previous kernel of the stream (the decode
 entry point's slot-id launch) finishes; every thread waits for it (cudaGridDependencySynchronize)
 before any global access. (TileLang then drops __restrict__ from the parameters: no measurable cost
@@ -32,13 +34,16 @@ Constraints: h_q 64 or 128, d_qk 512 (MODEL1); caches 16-byte aligned, at most 1
 ue8m0 scale kv_quant writes (up to 2^120) dequantizes exactly; scales above 2^7 (tiles with
 |x| > 57344) take a second multiply.
 
-Speed (H200, docs/decode.md): with one item per SM, ~17 us per launch + ~6.5 us per pair of blocks, of
-which the row loads are ~5 us and ~1.7 us (every entry masked: ~12 + ~4.8 us); the rest is the pair's
-chain (conversion, S, softmax, two P V, exchanges) and the launch's Q in / O out. Moving the conversion
-from the producer to the consumers gained 1.01-1.13x (batch <= 64); prefetching the next pairs' rows
-into L2, a schedule that loads the next block during the current one (consumers splitting Q K^T by
-columns) and, at h_q 128, the two CTAs of a token sharing their converted rows through a cluster
-(each loading and converting half: 0.84-0.92x, the handshakes sit on the S path) did not help.
+Speed (H200, docs/decode.md): with one item per SM, ~15.5 us per launch + ~5.8 us per pair of blocks
+(every entry masked: ~11.6 + ~5.1 us); with the rows L2-resident ~4.5 us per pair, against ~3 us for
+the bf16 kernel's pair and ~2.5-2.9 us for this kernel's consumers alone (no copies, no conversion):
+the staged copies and the conversion cost the rest. Staging a sector per 32-byte slot (before: each
+16-byte piece in its group's first chunk, the two pieces of a sector 32 bytes apart) gained
+1.10-1.15x; moving the conversion from the producer to the consumers 1.01-1.13x (batch <= 64).
+Prefetching the next pairs' rows into L2, a schedule that loads the next block during the current one
+(consumers splitting Q K^T by columns) and, at h_q 128, the two CTAs of a token sharing their
+converted rows through a cluster (each loading and converting half: 0.84-0.92x, the handshakes sit
+on the S path) did not help.
 """
 
 import functools
@@ -121,27 +126,61 @@ __device__ __forceinline__ void fp8_cvt_store(const uint4 w, unsigned e, D *lo, 
   *reinterpret_cast<uint4 *>(lo) = make_uint4(out[0], out[1], out[2], out[3]);
   *reinterpret_cast<uint4 *>(hi) = make_uint4(out[4], out[5], out[6], out[7]);
 }
-// One ring row's share of one thread, given as pointer pairs (lo_g, hi_g) of its groups g: 4 in the
-// left half, 3 in the right. Staged: group g's 16 raw e4m3 bytes in chunk lo_g, the row's 4-byte scale
-// word (byte g: group g's ue8m0 scale; the right half's byte 3 is the pad byte) at the start of chunk
-// hi_0. Everything staged is read into registers first (one 16-byte load per group, all in flight
-// together), then the groups are converted and stored over it; a row with a scale byte above 134 (one
-// test per row) takes the two-factor conversion.
-template <typename D, typename... Rest>
-__device__ __forceinline__ void fp8_cvt_row(D *lo0, D *hi0, Rest... rest) {
-  constexpr int n = 1 + sizeof...(Rest) / 2;
-  D *const p[2 * n] = {lo0, hi0, rest...};
-  const unsigned e = *reinterpret_cast<const unsigned *>(hi0);
-  uint4 w[n];
-#pragma unroll
-  for (int g = 0; g < n; ++g) w[g] = *reinterpret_cast<const uint4 *>(p[2 * g]);
-  // some byte of e above 134: bit 7 set and its low 7 bits above 6 (no carry crosses a byte)
-  if ((((e & 0x7f7f7f7fu) + 0x79797979u) & e & 0x80808080u) == 0u) {
-#pragma unroll
-    for (int g = 0; g < n; ++g) fp8_cvt_store<false>(w[g], e >> (8 * g), p[2 * g], p[2 * g + 1]);
+// The staging (see ring_row): a pair of groups (32 dims, one ue8m0 scale) has four output chunks o0..o3
+// (dims [0, 8), [8, 16), [16, 24), [24, 32)); its 32 raw e4m3 bytes are staged in o0 (dims 0-15) and o1
+// (dims 16-31), so each 32-byte sector of the row lands in one 32-byte slot of shared memory. One
+// thread converts a pair: it loads both staged chunks, then stores all four. rot: this lane loads o1
+// before o0 and stores o2, o3 before o0, o1 (x, y: the chunks in load order), so that the lanes of a
+// quarter warp hit distinct banks in every load and store.
+template <bool kTwo, typename D>
+__device__ __forceinline__ void fp8_cvt_pair(const uint4 x, const uint4 y, unsigned t, bool rot, D *o0, D *o1, D *o2,
+                                             D *o3) {
+  fp8_cvt_store<kTwo>(x, t, rot ? o2 : o0, rot ? o3 : o1);
+  fp8_cvt_store<kTwo>(y, t, rot ? o0 : o2, rot ? o1 : o3);
+}
+template <typename D>
+__device__ __forceinline__ uint4 fp8_ld16(const D *p) { return *reinterpret_cast<const uint4 *>(p); }
+// some byte of the scale word e above 134: bit 7 set and its low 7 bits above 6 (no carry crosses a byte)
+__device__ __forceinline__ unsigned fp8_big_scales(unsigned e) {
+  return ((e & 0x7f7f7f7fu) + 0x79797979u) & e & 0x80808080u;
+}
+// Left half of one ring row, pairs a (= lane) and b (= lane + 4): the row's left scale word (scales 0..3)
+// at s, their scale bytes at bit shifts sha, shb. Everything staged is loaded first (the scale word
+// before the stores that overwrite it), then converted; a word with a scale byte above 134 takes the
+// two-factor conversion.
+template <typename D>
+__device__ __forceinline__ void fp8_cvt_left(const D *s, unsigned sha, unsigned shb, bool rot, D *a0, D *a1, D *a2,
+                                             D *a3, D *b0, D *b1, D *b2, D *b3) {
+  const unsigned e = *reinterpret_cast<const unsigned *>(s);
+  const uint4 ax = fp8_ld16(rot ? a1 : a0), ay = fp8_ld16(rot ? a0 : a1);
+  const uint4 bx = fp8_ld16(rot ? b1 : b0), by = fp8_ld16(rot ? b0 : b1);
+  if (fp8_big_scales(e) == 0u) {
+    fp8_cvt_pair<false>(ax, ay, e >> sha, rot, a0, a1, a2, a3);
+    fp8_cvt_pair<false>(bx, by, e >> shb, rot, b0, b1, b2, b3);
   } else {
-#pragma unroll
-    for (int g = 0; g < n; ++g) fp8_cvt_store<true>(w[g], e >> (8 * g), p[2 * g], p[2 * g + 1]);
+    fp8_cvt_pair<true>(ax, ay, e >> sha, rot, a0, a1, a2, a3);
+    fp8_cvt_pair<true>(bx, by, e >> shb, rot, b0, b1, b2, b3);
+  }
+}
+// Right half of the thread's two ring rows: pair a (= lane) of row 0, pair b (= lane) of row 1 (scale
+// words at s0, s1: scales 4..6 and the pad byte; their byte at bit shift sh) and pair c (4 + lane % 2,
+// scale byte 2) of row 1 if rot, else of row 0: the six pairs of each row over its four lanes.
+template <typename D>
+__device__ __forceinline__ void fp8_cvt_right(const D *s0, const D *s1, unsigned sh, bool rot, D *a0, D *a1, D *a2,
+                                              D *a3, D *b0, D *b1, D *b2, D *b3, D *c0, D *c1, D *c2, D *c3) {
+  const unsigned e0 = *reinterpret_cast<const unsigned *>(s0), e1 = *reinterpret_cast<const unsigned *>(s1);
+  const unsigned ec = rot ? e1 : e0;
+  const uint4 ax = fp8_ld16(rot ? a1 : a0), ay = fp8_ld16(rot ? a0 : a1);
+  const uint4 bx = fp8_ld16(rot ? b1 : b0), by = fp8_ld16(rot ? b0 : b1);
+  const uint4 cx = fp8_ld16(rot ? c1 : c0), cy = fp8_ld16(rot ? c0 : c1);
+  if ((fp8_big_scales(e0) | fp8_big_scales(e1)) == 0u) {
+    fp8_cvt_pair<false>(ax, ay, e0 >> sh, rot, a0, a1, a2, a3);
+    fp8_cvt_pair<false>(bx, by, e1 >> sh, rot, b0, b1, b2, b3);
+    fp8_cvt_pair<false>(cx, cy, ec >> 16, rot, c0, c1, c2, c3);
+  } else {
+    fp8_cvt_pair<true>(ax, ay, e0 >> sh, rot, a0, a1, a2, a3);
+    fp8_cvt_pair<true>(bx, by, e1 >> sh, rot, b0, b1, b2, b3);
+    fp8_cvt_pair<true>(cx, cy, ec >> 16, rot, c0, c1, c2, c3);
   }
 }
 """
@@ -173,26 +212,36 @@ def paged_fp8_program(h_q: int):
         )
 
     def ring_row(t, r):
-        """Ring row of producer thread t in pass r: 4 threads per row; the 8 threads of a quarter warp
-        (rows u, u + 1 before the twist) get rows x and x ^ 5 (mod 8), whose 128-byte swizzles
-        (chunk ^ row % 8) map the 4 lanes' chunks {0, 2, 4, 6} or {0, 1, 2, 3} of one row and of the
-        other to disjoint bank groups: conflict-free 16-byte shared accesses."""
+        """Ring row of thread t (of the producer, or of the converting consumer) in pass r: 4 lanes per
+        row. A pair of groups P (dims 32P..32P+31 of a half) has its output chunks at 16-byte chunks
+        4P..4P+3 of the half row: within a 64-column tile at chunks {0..3} (P even) or {4..7} (P odd),
+        swizzled by chunk ^ (row % 8). The 8 threads of a quarter warp (rows u, u + 1 before the twist)
+        get rows x and x ^ 3 (mod 8): opposite parity and bit 1, which with the lane orders of
+        issue_half and fp8_cvt_pair keeps every 16-byte shared access of the quarter warp on distinct
+        bank groups."""
         u = t // 4
-        return r * rows_per_pass + T.bitwise_xor(u, T.shift_left(T.bitwise_and(u, 1), 2))
+        return r * rows_per_pass + T.bitwise_xor(u, T.shift_left(T.bitwise_and(u, 1), 1))
+
+    def scale_col(kk):
+        """Where lane kk stages a row's 4-byte scale word: in chunk 4 kk + 2 (the output of its pair kk's
+        second group, not a staging slot), at byte 4 (kk // 2) (lanes kk and kk + 2 on other banks)."""
+        return 32 * kk + 16 + 2 * (kk // 2)
 
     @T.macro
     def issue_half(g, pr, b, half, t):
         """cp.async (no registers, all in flight together) of (buffer b, half)'s bytes for thread t's rows
-        (ring_row(t, r), lane kk = t % 4), zero-filled for invalid rows (nothing is read then):
-          left  (kv_l, NoPE dims 0..255): groups q = 0..3: raw e4m3 [16 (kk + 4q), +16) -> chunk lo of
-                kv_l[j, 16 (kk + 4q) : +16] (tile q); scale bytes 0..3 (4-byte word) -> chunk hi of group
-                q = 0 (kv_l[j, 16 kk + 8]);
-          right (kv_r, dims 256..511): groups q = 0..2: raw e4m3 [256 + 16 (kk + 4q), +16) -> chunk lo of
-                kv_r[j, 16 (kk + 4q) : +16] (tile q); RoPE bf16 dims [448 + 8 (kk + 4q), +8), q = 0, 1 ->
-                kv_r[j, 192 + 8 (kk + 4q)] (tile 3, final place); scale bytes 4..7 -> chunk hi of group q = 0.
+        (ring_row(t, r)), zero-filled for invalid rows (nothing is read then). Lane kk = t % 4 copies
+        16-byte piece kk % 2 of pairs 2q + kk // 2: the two lanes of a 32-byte sector write the two
+        chunks of one 32-byte slot (chunks 4P, 4P + 1: the pair's first two output chunks):
+          left  (kv_l, NoPE dims 0..255): pairs 0..7 (q = 0..3); the scale word (bytes 0..3) ->
+                scale_col(kk) (the converting lane kk reads it there);
+          right (kv_r, dims 256..511): NoPE pairs 0..5 (q = 0..2); RoPE bf16 dims [448 + 8 i, +8), i = kk +
+                4 q (q ^ 1 in odd-u rows) -> kv_r[j, 192 + 8 i] (tile 3, final place); scale bytes 4..7
+                -> scale_col(kk).
         valid[b, j] is written by lane 0 in the buffer's first-filled half (its
         previous readers are done: they read it before freeing that half)."""
         kk = t % 4
+        piece = kk % 2
         for r in T.unroll(passes):
             j = ring_row(t, r)
             pr.row[0] = g.row_data16[b, j]
@@ -210,39 +259,47 @@ def paged_fp8_program(h_q: int):
             b8 = (T.address_of(g.Cache8[0]), T.address_of(g.Cache8_1[0]))
             # (the scale words are copied through the e4m3 views too: cp.async moves raw bytes, and one base per
             # row means one 64-bit select per row, shared by all of the row's cp.async)
-            if half == 0:
-                for q in T.unroll(4):
-                    T.evaluate(T.call_extern("handle", "fp8_cp16s", T.address_of(g.kv_l[b][j, 16 * (kk + 4 * q)]),
-                                             *b8, sel, src + 16 * (kk + 4 * q), pr.row[0] >= 0))
-                T.evaluate(T.call_extern("handle", "fp8_cp4s", T.address_of(g.kv_l[b][j, 16 * kk + 8]),
-                                         *b8, sel, T.Cast(i64, pr.row[1]) * 8, pr.row[0] >= 0))
-            else:
-                for q in T.unroll(3):
-                    T.evaluate(T.call_extern("handle", "fp8_cp16s", T.address_of(g.kv_r[b][j, 16 * (kk + 4 * q)]),
-                                             *b8, sel, src + DH + 16 * (kk + 4 * q), pr.row[0] >= 0))
+            kv = g.kv_r[b] if half else g.kv_l[b]
+            for q in T.unroll(4 if half == 0 else 3):
+                pair = 2 * q + kk // 2
+                T.evaluate(T.call_extern("handle", "fp8_cp16s", T.address_of(kv[j, 32 * pair + 8 * piece]),
+                                         *b8, sel, src + DH * half + 32 * pair + 16 * piece, pr.row[0] >= 0))
+            if half == 1:
                 for q in T.unroll(2):
-                    T.evaluate(T.call_extern("handle", "fp8_cp16s",
-                                             T.address_of(g.kv_r[b][j, D_NOPE - DH + 8 * (kk + 4 * q)]),
-                                             *b8, sel, src + D_NOPE + 16 * (kk + 4 * q), pr.row[0] >= 0))
-                T.evaluate(T.call_extern("handle", "fp8_cp4s", T.address_of(g.kv_r[b][j, 16 * kk + 8]),
-                                         *b8, sel, T.Cast(i64, pr.row[1]) * 8 + 4, pr.row[0] >= 0))
+                    rope = kk + 4 * T.bitwise_xor(q, t // 4 % 2)  # odd rows the other 64 bytes first
+                    T.evaluate(T.call_extern("handle", "fp8_cp16s", T.address_of(kv[j, D_NOPE - DH + 8 * rope]),
+                                             *b8, sel, src + D_NOPE + 16 * rope, pr.row[0] >= 0))
+            T.evaluate(T.call_extern("handle", "fp8_cp4s", T.address_of(kv[j, scale_col(kk)]),
+                                     *b8, sel, T.Cast(i64, pr.row[1]) * 8 + 4 * half, pr.row[0] >= 0))
+
+    def chunks(kv, j, pair):
+        """The four output chunks of a pair of groups in ring row j of a half (its staging in the first two)."""
+        return [T.address_of(kv[j, 32 * pair + 8 * m]) for m in range(4)]
 
     @T.macro
     def consumer_convert(ns, c, b, half):
-        """Consumer c, after (buffer b, half)'s ready barrier: its thread t converts the rows producer
-        thread t staged (ring_row(t, r), lane t % 4) in place, then fence.proxy.async and a barrier of
-        the consumer's 128 threads before the S that reads the half. The other consumer reads the half
-        only after the max exchange."""
+        """Consumer c, after (buffer b, half)'s ready barrier: its thread t converts, in place, the pairs
+        of its rows ring_row(t, 0), ring_row(t, 1) that lane kk = t % 4 owns: left, pairs kk and kk + 4
+        of each row; right, pair kk of each row and pair 4 + kk % 2 of row 1 (kk >= 2) or row 0. Then
+        fence.proxy.async and a barrier of the consumer's 128 threads before the S that reads the half.
+        The other consumer reads the half only after the max exchange. (Any thread may convert any pair
+        once the ready barrier completed: every staged byte has landed; each pair has one converter.)"""
         t = T.get_thread_binding() % 128
         kk = t % 4
-        for r in T.unroll(passes):
-            j = ring_row(t, r)
-            if half == 0:  # group q = NoPE tile q (scale byte q)
-                T.evaluate(T.call_extern("handle", "fp8_cvt_row", *[
-                    T.address_of(ns.kv_l[b][j, 16 * (kk + 4 * q) + 8 * cc]) for q in range(4) for cc in range(2)]))
-            else:  # group q = NoPE tile 4 + q (scale byte 4 + q: byte q of the staged word)
-                T.evaluate(T.call_extern("handle", "fp8_cvt_row", *[
-                    T.address_of(ns.kv_r[b][j, 16 * (kk + 4 * q) + 8 * cc]) for q in range(3) for cc in range(2)]))
+        rot = T.Cast(T.bool, kk // 2)  # lanes 2, 3 take their chunks in the other order (fp8_cvt_pair)
+
+        if half == 0:
+            for r in T.unroll(passes):
+                j = ring_row(t, r)
+                T.evaluate(T.call_extern("handle", "fp8_cvt_left", T.address_of(ns.kv_l[b][j, scale_col(kk)]),
+                                         8 * (kk // 2), 8 * (2 + kk // 2), rot,
+                                         *chunks(ns.kv_l[b], j, kk), *chunks(ns.kv_l[b], j, kk + 4)))
+        else:
+            j0, j1 = ring_row(t, 0), ring_row(t, 1)
+            T.evaluate(T.call_extern("handle", "fp8_cvt_right", T.address_of(ns.kv_r[b][j0, scale_col(kk)]),
+                                     T.address_of(ns.kv_r[b][j1, scale_col(kk)]), 8 * (kk // 2), rot,
+                                     *chunks(ns.kv_r[b], j0, kk), *chunks(ns.kv_r[b], j1, kk),
+                                     *chunks(ns.kv_r[b], T.if_then_else(kk >= 2, j1, j0), 4 + kk % 2)))
         T.fence_proxy_async()
         T.sync_threads(6 + c, 128)
 
