@@ -266,7 +266,7 @@ def paged_fp8_program(h_q: int):
                                          *b8, sel, src + DH * half + 32 * pair + 16 * piece, pr.row[0] >= 0))
             if half == 1:
                 for q in T.unroll(2):
-                    rope = kk + 4 * T.bitwise_xor(q, t // 4 % 2)  # odd rows the other 64 bytes first
+                    rope = kk + 4 * T.bitwise_xor(q, t // 4 % 2)  # odd u: the other 64 bytes first (other banks)
                     T.evaluate(T.call_extern("handle", "fp8_cp16s", T.address_of(kv[j, D_NOPE - DH + 8 * rope]),
                                              *b8, sel, src + D_NOPE + 16 * rope, pr.row[0] >= 0))
             T.evaluate(T.call_extern("handle", "fp8_cp4s", T.address_of(kv[j, scale_col(kk)]),
