@@ -39,7 +39,8 @@ Speed (H200, docs/decode.md): with one item per SM, ~15.5 us per launch + ~5.8 u
 the bf16 kernel's pair and ~2.5-2.9 us for this kernel's consumers alone (no copies, no conversion):
 the staged copies and the conversion cost the rest. Staging a sector per 32-byte slot (before: each
 16-byte piece in its group's first chunk, the two pieces of a sector 32 bytes apart) gained
-1.10-1.15x; moving the conversion from the producer to the consumers 1.01-1.13x (batch <= 64).
+1.10-1.15x at 5 pairs (1.05-1.07x at one); moving the conversion from the producer to the consumers
+1.01-1.13x (batch <= 64).
 Prefetching the next pairs' rows into L2, a schedule that loads the next block during the current one
 (consumers splitting Q K^T by columns) and, at h_q 128, the two CTAs of a token sharing their
 converted rows through a cluster (each loading and converting half: 0.84-0.92x, the handshakes sit
@@ -200,6 +201,7 @@ def paged_fp8_program(h_q: int):
     # ---- producer (the module docstring says how it stages and converts; the macros say what each step does) ----
     rows_per_pass = 32  # 4 threads per ring row
     passes = BI // rows_per_pass
+    assert passes == 2  # consumer_convert's right half takes a thread's two rows in one call
 
     def producer_registers():
         """Producer-thread locals (allocated once; a plain helper may allocate, see consumer_fragments)."""
