@@ -14,7 +14,7 @@ Ops (each also named in fallback_counts()):
     dims of each row (pairs (2i, 2i+1) rotated by angle i), leading (NoPE) dims copied; fp32 math,
     result in x's dtype. inverse=True rotates by the negated angle (transformers passes -sin), which
     undoes the rotation carried by V = K on the attention output.
-  kv_quantize / kv_gather_dequant: the fp8 KV cache's write and read, from engine.h20_ops.kv_quant
+  kv_quantize / kv_gather_dequant: the fp8 KV cache's write and read, from engine.h20_ops.kv_cache.fp8
     (Triton kernels, ref = its torch reference; byte-identical by that module's contract, which
     requires finite inputs: an inf / NaN row is written differently by the two and not checked).
 """
@@ -27,8 +27,8 @@ from collections import Counter
 
 import torch
 
-from engine import config
-from engine.h20_ops import triton_interprets  # (importing the package sets TRITON_INTERPRET=1 without CUDA)
+from . import config
+from .h20_ops.platform import triton_interprets  # (importing the package sets TRITON_INTERPRET=1 without CUDA)
 
 log = logging.getLogger(__name__)
 
@@ -269,22 +269,22 @@ def _rope_triton(x, cos, sin, inverse):
 
 
 # ----------------------------------------------------------------------------------------------
-# fp8 KV cache writes and reads (engine.h20_ops.kv_quant: Triton kernels and their torch reference)
+# fp8 KV cache writes and reads (engine.h20_ops.kv_cache.fp8: Triton kernels and their torch reference)
 
 def kv_quantize(cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
-    """Quantize kv [n, 1, d] into the fp8 cache at slots [n] (kv_quant layouts; -1 slots skipped)."""
-    from engine.h20_ops import kv_quant
+    """Quantize kv [n, 1, d] into the fp8 cache at slots [n] (the fp8 quantizer layouts; -1 slots skipped)."""
+    from .h20_ops import kv_cache
 
-    _dispatch("kv_quantize", kv_quant.quantize_into_cache, kv_quant.quantize_into_cache_ref,
+    _dispatch("kv_quantize", kv_cache.quantize_into_cache, kv_cache.quantize_into_cache_ref,
               (cache, slots, kv), cache, slots, kv)
 
 
 def kv_gather_dequant(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Dequantize the rows at slots [B, W] of the fp8 cache into out [B, W, 1, d]; returns out."""
-    from engine.h20_ops import kv_quant
+    from .h20_ops import kv_cache
 
     def ref(cache, slots, out):
-        out.copy_(kv_quant.dequantize_from_cache_ref(cache, slots, out.dtype))
+        out.copy_(kv_cache.dequantize_from_cache_ref(cache, slots, out.dtype))
         return out
 
-    return _dispatch("kv_gather_dequant", kv_quant.gather_dequant, ref, (cache, slots, out), cache, slots, out)
+    return _dispatch("kv_gather_dequant", kv_cache.gather_dequant, ref, (cache, slots, out), cache, slots, out)

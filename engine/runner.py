@@ -20,7 +20,7 @@ NextN decoding (DEEPINFER_USE_NEXTN_DECODE=1, k = num_speculative_tokens drafts 
     main model's hidden state h_i) and drafts k tokens with the request's SamplingParams on the
     stream's draft lane (chained drafts feed its own hidden state back); their logits are kept;
   - a decode step verifies every running request's [last token, k drafts] in ONE main-model
-    forward (decode_attn_sparse with s_q = k + 1), then fused_sample.rejection_sample accepts a
+    forward (decode_attn_sparse with s_q = k + 1), then sampling.rejection_sample accepts a
     prefix (sampled: draft x kept with probability min(1, p_target(x) / p_draft(x)); greedy: iff
     it equals the target argmax) and emits the correction token, or a bonus token when all k are
     accepted: 1 .. k + 1 tokens per step;
@@ -36,7 +36,7 @@ acceptance rate.
 
 The model is transformers' DeepseekV4ForCausalLM (weights, MoE, embeddings, head) driven by
 engine.model.deepseek_v4 (norms/RoPE through engine.ops, attention through
-engine.h20_ops.attn_sm90, KV in engine.kv_cache).
+engine.h20_ops.attention.entry, KV in engine.kv_store).
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ from pathlib import Path
 import torch
 
 from engine import config, ops
-from engine.h20_ops import fused_sample, sparse_mla
-from engine.kv_cache import KV_CACHE_DTYPES, PagedRows, RequestState
+from engine.h20_ops import sampling
+from engine.h20_ops.attention import dispatch
+from engine.kv_store import KV_CACHE_DTYPES, PagedRows, RequestState
 from engine.model.deepseek_v4 import CSA, HCA, DeepseekV4Runtime, NextNRuntime, SeqStep, Stores
 from engine.model.hf_oracle import load_hf_model
 from engine.model.nextn import load_nextn_layer
@@ -91,7 +92,7 @@ class SamplingParams:
         # one gives NaN weights; a subnormal one reads as 0, i.e. greedy, where fast math flushes it).
         if self.temperature != 0:
             positive = math.isfinite(self.temperature) and self.temperature > 0
-            scale = fused_sample.sampling_scale(torch.tensor([float(self.temperature)])).item() if positive else 0.0
+            scale = sampling.sampling_scale(torch.tensor([float(self.temperature)])).item() if positive else 0.0
             if not _FP32.tiny <= scale <= _FP32.max:
                 hottest = math.log2(math.e) / _FP32.tiny
                 raise ValueError(f"SamplingParams.temperature: expected 0 (greedy) or a number whose log2(e) / T "
@@ -152,7 +153,7 @@ class Engine:
             raise ValueError(f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype: expected torch.float32 or torch.bfloat16, got {dtype}")
-        if dtype == torch.float32 and sparse_mla.resolve_backend() == "tilelang":
+        if dtype == torch.float32 and dispatch.resolve_backend() == "tilelang":
             # Fail here, not in the first forward: the TileLang sparse MLA kernels take bf16 only.
             raise ValueError("dtype: torch.float32 needs a sparse MLA backend that computes in float32 (triton "
                              "or ref), but this process resolved tilelang (bf16-only kernels): use torch.bfloat16, "
@@ -194,7 +195,7 @@ class Engine:
         self._stats = dict(prefill_tokens=0, prefill_seconds=0.0, prefill_steps=0,
                            decode_tokens=0, decode_seconds=0.0, decode_steps=0, generated_tokens=0)
         self._spec_stats = dict(draft_seconds=0.0, draft_tokens=0, accepted_tokens=0)
-        self._sampled = False  # a fused_sample.sample launch ran (stats() then names its backend)
+        self._sampled = False  # a sampling.sample launch ran (stats() then names its backend)
 
     # -- KV stores --------------------------------------------------------------------------
     def _store_pages(self, max_len: int) -> dict[str, int]:
@@ -340,16 +341,16 @@ class Engine:
                     top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device))
 
     def _select(self, batch: list[_Active], logits: torch.Tensor, positions: list[int], *,
-                draw: int = fused_sample.DRAW_SAMPLE) -> list[int]:
-        """One token per row of logits [B, vocab] (row b: batch[b]) in one launch: fused_sample.sample
+                draw: int = sampling.DRAW_SAMPLE) -> list[int]:
+        """One token per row of logits [B, vocab] (row b: batch[b]) in one launch: sampling.sample
         when any request samples (its greedy rows take the first argmax); an all-greedy batch takes
         greedy_sample with NextN (the verifier's greedy rule) and torch's argmax without (no kernel)."""
         if not all(a.request.sampling.greedy for a in batch):
             self._sampled = True
-            return fused_sample.sample(logits, **self._sampling_tensors(batch, positions, logits.device), draw=draw,
+            return sampling.sample(logits, **self._sampling_tensors(batch, positions, logits.device), draw=draw,
                                        backend=self.sample_backend).tolist()
         if self.nextn:
-            return fused_sample.greedy_sample(logits, backend=self.sample_backend).tolist()
+            return sampling.greedy_sample(logits, backend=self.sample_backend).tolist()
         return logits.argmax(dim=-1).tolist()
 
     def _release_window_rows(self, active: _Active, *, nextn: bool = True) -> None:
@@ -425,7 +426,7 @@ class Engine:
 
         def draft(logits: torch.Tensor, j: int) -> list[int]:
             return self._select(batch, logits, [k * (a.state.length + 1) + j for a in batch],
-                                draw=fused_sample.DRAW_DRAFT)
+                                draw=sampling.DRAW_DRAFT)
 
         drafts, draft_logits = [draft(logits, 0)], [logits]
         for j in range(1, k):
@@ -450,7 +451,7 @@ class Engine:
         target = logits.view(len(batch), k + 1, -1)
         device = target.device
         # draft j is proposed for position start + 1 + j (start: the stored length = the last token's index)
-        tokens, accepted = fused_sample.rejection_sample(
+        tokens, accepted = sampling.rejection_sample(
             target, torch.stack([a.draft_logits for a in batch]).to(device),
             torch.tensor([a.drafts for a in batch], dtype=torch.long, device=device),
             **self._sampling_tensors(batch, [s + 1 for s in starts], device), backend=self.sample_backend)
@@ -508,14 +509,14 @@ class Engine:
             "tokens_per_s": st["generated_tokens"] / seconds if seconds else None,
             "decode_tokens_per_s": st["decode_tokens"] / st["decode_seconds"] if st["decode_seconds"] else None,
             "op_fallbacks": ops.fallback_counts(),
-            "sparse_mla_backend": sparse_mla.resolve_backend(),
+            "sparse_mla_backend": dispatch.resolve_backend(),
             "kv_cache_dtype": self.kv_cache_dtype,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
             "nextn_decode": self.nextn,
         }
         if self.nextn or self._sampled:
-            out["fused_sample_backend"] = self.sample_backend or fused_sample.resolve_backend()
+            out["fused_sample_backend"] = self.sample_backend or sampling.resolve_backend()
         if self.nextn:
             drafted = self._spec_stats["draft_tokens"]
             out.update(self._spec_stats, num_speculative_tokens=self.spec_tokens,

@@ -249,7 +249,7 @@ def _plain(value):
 def _report_dispatch_state(record: RankRecord) -> None:
     """Backend resolution and op fallbacks, also for a rank that failed (what it would have used)."""
     try:
-        from engine.h20_ops.sparse_mla import backend_resolution
+        from engine.h20_ops.attention.dispatch import backend_resolution
 
         res = backend_resolution()
         record.backend, record.backend_reason, record.tilelang_missing = res.backend, res.reason, res.tilelang_missing

@@ -36,10 +36,11 @@ INPUT_SCALE = 0.1
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import engine.h20_ops  # noqa: E402,F401  (TRITON_INTERPRET on CPU before kernel modules load)
-from engine.h20_ops import kv_quant, sparse_mla  # noqa: E402
-from engine.h20_ops.attn_sm90 import (PAGED_SPLIT_SMS_PER_PROGRAM, _choose_splits, decode_attn_sparse,  # noqa: E402
+from engine.h20_ops import kv_cache
+from engine.h20_ops.attention import dispatch  # noqa: E402
+from engine.h20_ops.attention.entry import (PAGED_SPLIT_SMS_PER_PROGRAM, _choose_splits, decode_attn_sparse,  # noqa: E402
                                       decode_attn_sparse_paged_fp8)
-from engine.h20_ops.sparse_mla_ref import sparse_mla_decode_ref, sparse_mla_prefill_ref  # noqa: E402
+from engine.h20_ops.attention.reference import sparse_mla_decode_ref, sparse_mla_prefill_ref  # noqa: E402
 
 D = 512
 LOG2E = 1.0 / math.log(2.0)
@@ -76,14 +77,14 @@ def make_inputs(case: Case, seed: int, device, *, empty_slots: bool):
     def paged_rows(rows_per_request: int):
         capacity = b * rows_per_request + BLOCK_SIZE
         num_blocks = -(-capacity // BLOCK_SIZE)
-        cache = kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, num_blocks, BLOCK_SIZE, device)
+        cache = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, num_blocks, BLOCK_SIZE, device)
         slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=g)[:b * rows_per_request].view(b, rows_per_request)
         slots = slots.int()
         if empty_slots and b > 1:
             slots[-1, rows_per_request // 2:] = -1  # a request with a short history
         kv = torch.randn(b * rows_per_request, 1, D, generator=g) * INPUT_SCALE
         kv *= torch.exp2(torch.randint(-1, 2, (b * rows_per_request, 1, 1), generator=g).float())
-        kv_quant.quantize_into_cache(cache, slots.view(-1).to(device), kv.to(device, torch.bfloat16))
+        kv_cache.quantize_into_cache(cache, slots.view(-1).to(device), kv.to(device, torch.bfloat16))
         return cache, slots.to(device)
 
     def local_indices(slots: torch.Tensor, k: int, rows: int):
@@ -101,11 +102,11 @@ def make_inputs(case: Case, seed: int, device, *, empty_slots: bool):
     swa_cache, swa_slots = paged_rows(w)
     args = dict(indices=local_indices(swa_slots, case.topk, w))
     buf = torch.full((b, w + e, 1, D), float("nan"), dtype=activation_dtype(device), device=device)
-    kv_quant.gather_dequant(swa_cache, swa_slots, buf[:, :w])
+    kv_cache.gather_dequant(swa_cache, swa_slots, buf[:, :w])
     caches = [(swa_cache, swa_slots)]
     if e:
         comp_cache, comp_slots = paged_rows(e)
-        kv_quant.gather_dequant(comp_cache, comp_slots, buf[:, w:])
+        kv_cache.gather_dequant(comp_cache, comp_slots, buf[:, w:])
         args["extra_indices"] = local_indices(comp_slots, case.etopk, e)
         caches.append((comp_cache, comp_slots))
     if case.shared or not e:
@@ -149,7 +150,7 @@ def poison_unreferenced_rows(args: dict) -> None:
 
 def reference_rows(caches, width: int, extra: int) -> torch.Tensor:
     """The window buffer as the torch reference dequantizes it (fp32)."""
-    parts = [kv_quant.dequantize_from_cache_ref(c, s, torch.float32) for c, s in caches]
+    parts = [kv_cache.dequantize_from_cache_ref(c, s, torch.float32) for c, s in caches]
     return torch.cat(parts, dim=1)
 
 
@@ -169,19 +170,19 @@ def split_rounding_bound(q, kv, indices, splits: int) -> torch.Tensor:
 def run_recording_launch(call: dict, splits: int):
     """decode_attn_sparse, also returning the (q, kv, indices) of its one kernel launch."""
     seen = []
-    real = sparse_mla.sparse_mla_fwd
+    real = dispatch.sparse_mla_fwd
 
     def recording(q, kv, indices, sm_scale, **kwargs):
         seen.append((q, kv, indices))
         return real(q, kv, indices, sm_scale, **kwargs)
 
-    sparse_mla.sparse_mla_fwd = recording
+    dispatch.sparse_mla_fwd = recording
     try:
         call = dict(call)
         out, lse = decode_attn_sparse(call.pop("q"), call.pop("kv_windows"), call.pop("indices"), D ** -0.5,
                                       num_splits=splits, **call)
     finally:
-        sparse_mla.sparse_mla_fwd = real
+        dispatch.sparse_mla_fwd = real
     if len(seen) != 1:
         raise AssertionError(f"expected one kernel launch per decode call, got {len(seen)}")
     return out, lse, seen[0]
@@ -215,7 +216,7 @@ def backends_to_run(device: torch.device) -> tuple[list[str], list[str]]:
         return names, ["tilelang skipped: its kernel needs a CUDA device"]
     try:
         import importlib
-        importlib.import_module(sparse_mla.TILELANG_KERNEL_MODULE)
+        importlib.import_module(dispatch.TILELANG_KERNEL_MODULE)
         names.append("tilelang")
     except ModuleNotFoundError as exc:
         notes.append(f"tilelang skipped: not importable ({exc})")
@@ -224,7 +225,7 @@ def backends_to_run(device: torch.device) -> tuple[list[str], list[str]]:
 
 def use_backend(name: str) -> None:
     os.environ["DEEPINFER_SPARSE_MLA_BACKEND"] = name
-    sparse_mla.reset_resolution_for_tests()
+    dispatch.reset_resolution_for_tests()
 
 
 def cases(small: bool) -> list[Case]:

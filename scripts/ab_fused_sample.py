@@ -18,10 +18,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-from engine.h20_ops import fused_sample as fs  # noqa: E402
-from engine.h20_ops import fused_sample_ref as ref  # noqa: E402
-from engine.h20_ops.fused_sample_ref import DRAW_DRAFT  # noqa: E402
-from engine.h20_ops import fused_sample_triton as ft  # noqa: E402
+from engine.h20_ops import sampling as fs  # noqa: E402
+from engine.h20_ops.sampling import reference as ref  # noqa: E402
+from engine.h20_ops.sampling.reference import DRAW_DRAFT  # noqa: E402
+from engine.h20_ops.sampling import triton_kernels as ft  # noqa: E402
 
 failures: list[str] = []
 
@@ -35,7 +35,7 @@ def check(name: str, ok: bool, detail: str = "") -> None:
 def tilelang_draws(seeds, positions):
     import tilelang.language as T
 
-    from engine.h20_ops.fused_sample_sm90 import compile_kernel
+    from engine.h20_ops.sampling.tilelang_sm90 import compile_kernel
 
     n_rows = T.dynamic("n_rows")
 

@@ -1,6 +1,6 @@
 """A/B harness (GPU): the Triton sparse MLA kernel vs the TileLang SM90 kernel, both vs the oracle.
 
-Both backends run through the dispatcher (engine.h20_ops.sparse_mla.sparse_mla_fwd with
+Both backends run through the dispatcher (engine.h20_ops.attention.dispatch.sparse_mla_fwd with
 backend="triton" / "tilelang"), so each adapter's lse convention (base 2) is part of what is compared.
 Per case: max abs difference of out and of finite lse between the two kernels and of each kernel
 against the float32 oracle, against a tolerance of 2 bf16 ULP at the reference's scale
@@ -19,8 +19,8 @@ import sys
 
 import torch
 
-from engine.h20_ops.sparse_mla import LOG2E, sparse_mla_fwd
-from engine.h20_ops.sparse_mla_ref import sparse_mla_prefill_ref
+from engine.h20_ops.attention.dispatch import LOG2E, sparse_mla_fwd
+from engine.h20_ops.attention.reference import sparse_mla_prefill_ref
 
 INVALID_FILLERS = (-1, -(2**31), -123456, 2**31 - 1)
 

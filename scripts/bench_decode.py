@@ -50,10 +50,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import engine.h20_ops  # noqa: E402,F401
 from ab_decode import Case, make_inputs  # noqa: E402
-from engine.h20_ops import sparse_mla  # noqa: E402
-from engine.h20_ops.attn_sm90 import (PAGED_SPLIT_SMS_PER_PROGRAM, _choose_splits, decode_attn_sparse,  # noqa: E402
+from engine.h20_ops.attention import dispatch  # noqa: E402
+from engine.h20_ops.attention.entry import (PAGED_SPLIT_SMS_PER_PROGRAM, _choose_splits, decode_attn_sparse,  # noqa: E402
                                       decode_attn_sparse_paged_fp8)
-from engine.h20_ops.kv_quant import MODEL1, gather_dequant  # noqa: E402
+from engine.h20_ops.kv_cache.fp8 import MODEL1, gather_dequant  # noqa: E402
 
 D = 512
 FP8_ROW_READ = 448 + 128 + 7  # bytes of one MODEL1 token a gather reads (NoPE, RoPE, 7 scales)
@@ -104,19 +104,19 @@ def graphed(fn, device):
 
 
 def record_launch(fn, entry="sparse_mla_fwd"):
-    """Runs fn once; returns the (args, kwargs) of the one launch of sparse_mla.<entry> it made."""
+    """Runs fn once; returns the (args, kwargs) of the one launch of dispatch.<entry> it made."""
     launches = []
-    real = getattr(sparse_mla, entry)
+    real = getattr(dispatch, entry)
 
     def recording(*args, **kwargs):
         launches.append((args, kwargs))
         return real(*args, **kwargs)
 
-    setattr(sparse_mla, entry, recording)
+    setattr(dispatch, entry, recording)
     try:
         fn()
     finally:
-        setattr(sparse_mla, entry, real)
+        setattr(dispatch, entry, real)
     if len(launches) != 1:
         raise AssertionError(f"expected one kernel launch per decode call, got {len(launches)}")
     return launches[0]
@@ -140,7 +140,7 @@ def pair_sweep(device, batch: int) -> None:
                                                      extra_cache=comp_cache, extra_slots=comp_slots, num_splits=1,
                                                      **dict(call, topk_length=zero, extra_topk_length=zero)),
                 "sparse_mla_paged_fp8_fwd")
-            times.append(timer(graphed(lambda: sparse_mla.sparse_mla_paged_fp8_fwd(*k_args, **k_kwargs), device),
+            times.append(timer(graphed(lambda: dispatch.sparse_mla_paged_fp8_fwd(*k_args, **k_kwargs), device),
                                device))
         print(f"{topk + etopk:8d} {-(-(topk + etopk) // 128):5d} {times[0]:8.4f} {times[1]:9.4f}")
 
@@ -174,17 +174,17 @@ def main() -> int:
         return 2
     if opts.backend is not None:
         os.environ["DEEPINFER_SPARSE_MLA_BACKEND"] = opts.backend
-    sparse_mla.reset_resolution_for_tests()
+    dispatch.reset_resolution_for_tests()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     heads = opts.heads
     width, extra = (32, 96) if opts.small else (128, opts.extra)
     batches = (1,) if opts.small else batches
     hbm, gemm = device_rates(device, opts.small)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"device: {name}; torch {torch.__version__}; backend {sparse_mla.resolve_backend()}")
+    print(f"device: {name}; torch {torch.__version__}; backend {dispatch.resolve_backend()}")
     print(f"measured: HBM copy {hbm / 1e9:.0f} GB/s (read+write), bf16 GEMM {gemm / 1e12:.1f} TFLOP/s")
     if opts.pair_sweep:
-        if device.type != "cuda" or not sparse_mla.paged_fp8_supported():
+        if device.type != "cuda" or not dispatch.paged_fp8_supported():
             print("--pair-sweep needs CUDA and the TileLang backend (the paged fp8 kernel)")
             return 2
         pair_sweep(device, max(batches))
@@ -196,7 +196,7 @@ def main() -> int:
     print(header)
     print("-" * len(header))
     entries = width + extra
-    paged = sparse_mla.paged_fp8_supported() and device.type == "cuda"
+    paged = dispatch.paged_fp8_supported() and device.type == "cuda"
 
     def row(batch, s_q, label, gather_ms, attn_ms, kernel_ms, step_ms, graph_ms, flop, read, roofline_ms, bound):
         gather_col = f"{gather_ms:8.4f}" if gather_ms is not None else f"{'-':>8s}"
@@ -229,7 +229,7 @@ def main() -> int:
                     decode_attn_sparse(q, kv_windows, indices, D ** -0.5, num_splits=splits, **call)
 
                 k_args, k_kwargs = record_launch(attn)
-                kernel_ms = timer(lambda: sparse_mla.sparse_mla_fwd(*k_args, **k_kwargs), device)
+                kernel_ms = timer(lambda: dispatch.sparse_mla_fwd(*k_args, **k_kwargs), device)
                 attn_ms = timer(attn, device)
                 step_ms = timer(lambda: (gather(), attn()), device)
                 replay = graphed(lambda: (gather(), attn()), device)
@@ -250,7 +250,7 @@ def main() -> int:
                                                      num_splits=splits, **call)
 
                     k_args, k_kwargs = record_launch(paged_step, "sparse_mla_paged_fp8_fwd")
-                    kernel_ms = timer(lambda: sparse_mla.sparse_mla_paged_fp8_fwd(*k_args, **k_kwargs), device)
+                    kernel_ms = timer(lambda: dispatch.sparse_mla_paged_fp8_fwd(*k_args, **k_kwargs), device)
                     step_ms = timer(paged_step, device)
                     graph_ms = timer(graphed(paged_step, device), device)
                     read = (n_rows * entries * (FP8_ROW_READ + 4 + 4 + 8) * -(-heads // 64)  # fp8 row, index,

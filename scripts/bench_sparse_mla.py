@@ -2,7 +2,7 @@
 
 Backends: `triton` (engine.h20_ops.vendor.flashmla_sparse: on an SM90 GPU its warp-specialized Gluon
 kernel), `triton portable` (the same entry point's tl kernel, what other GPUs run), `tilelang`
-(engine.h20_ops.sparse_mla_sm90, when it imports; otherwise a note), and `flaggems`
+(engine.h20_ops.attention.tilelang_sm90, when it imports; otherwise a note), and `flaggems`
 (FlagGems 5.0.2's single file flag_gems/fused/flashmla_sparse.py, loaded by path from an unpacked
 wheel: the flag_gems package itself is never imported, its import has side effects).
 
@@ -32,7 +32,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.h20_ops.sparse_mla_ref import sparse_mla_prefill_ref  # noqa: E402
+from engine.h20_ops.attention.reference import sparse_mla_prefill_ref  # noqa: E402
 from engine.h20_ops.vendor.flashmla_sparse import (  # noqa: E402
     KernelConfig, default_config, flash_mla_sparse_fwd)
 
@@ -128,7 +128,7 @@ def main() -> int:
                 "triton portable": lambda *args: flash_mla_sparse_fwd(*args, config=portable)}
     notes = []
     try:
-        from engine.h20_ops.sparse_mla_sm90 import sparse_mla_fwd_sm90
+        from engine.h20_ops.attention.tilelang_sm90 import sparse_mla_fwd_sm90
         backends["tilelang"] = sparse_mla_fwd_sm90
     except ModuleNotFoundError as exc:
         notes.append(f"tilelang skipped: {exc}")

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import engine.h20_ops  # noqa: F401  (sets TRITON_INTERPRET=1 before any kernel module on CPU-only machines)
-from engine.h20_ops import backend_select, fused_sample, sparse_mla
+from engine.h20_ops import backend_select
+from engine.h20_ops import sampling
+from engine.h20_ops.attention import dispatch
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -42,8 +44,8 @@ def isolated_backend_selection():
         if name not in modules:
             del sys.modules[name]
     sys.modules.update(modules)
-    sparse_mla.reset_resolution_for_tests()
-    fused_sample.reset_resolution_for_tests()
+    dispatch.reset_resolution_for_tests()
+    sampling.reset_resolution_for_tests()
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ import torch
 import triton
 
 import engine.h20_ops  # noqa: F401  (TRITON_INTERPRET on CPU before kernel modules load)
-from engine.h20_ops import attn_sm90 as attn
-from engine.h20_ops import sparse_mla
-from engine.h20_ops.sparse_mla_ref import sparse_mla_decode_ref, sparse_mla_prefill_ref
+from engine.h20_ops.attention import entry as attn
+from engine.h20_ops.attention import dispatch
+from engine.h20_ops.attention.reference import sparse_mla_decode_ref, sparse_mla_prefill_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, D = 64, 512
@@ -28,14 +28,14 @@ def _select_backend(monkeypatch, name):
         monkeypatch.delenv("DEEPINFER_SPARSE_MLA_BACKEND", raising=False)
     else:
         monkeypatch.setenv("DEEPINFER_SPARSE_MLA_BACKEND", name)
-    sparse_mla.reset_resolution_for_tests()
+    dispatch.reset_resolution_for_tests()
 
 
 @pytest.fixture
 def ref_backend(monkeypatch):
     _select_backend(monkeypatch, "ref")
     yield
-    sparse_mla.reset_resolution_for_tests()
+    dispatch.reset_resolution_for_tests()
 
 
 @pytest.fixture
@@ -43,20 +43,20 @@ def default_backend(monkeypatch):
     """The real default path (no env var): triton under the interpreter on a CPU-only machine."""
     _select_backend(monkeypatch, None)
     yield
-    sparse_mla.reset_resolution_for_tests()
+    dispatch.reset_resolution_for_tests()
 
 
 @pytest.fixture
 def dispatcher_calls(monkeypatch):
     """Records every call of the dispatcher's sparse_mla_fwd (the one kernel launch per entry call)."""
     calls = []
-    real = sparse_mla.sparse_mla_fwd
+    real = dispatch.sparse_mla_fwd
 
     def recording(q, kv, indices, sm_scale, **kwargs):
         calls.append(dict(q=q, kv=kv, indices=indices.clone(), **kwargs))
         return real(q, kv, indices, sm_scale, **kwargs)
 
-    monkeypatch.setattr(sparse_mla, "sparse_mla_fwd", recording)
+    monkeypatch.setattr(dispatch, "sparse_mla_fwd", recording)
     return calls
 
 
@@ -64,11 +64,11 @@ def dispatcher_calls(monkeypatch):
 def triton_launches(monkeypatch):
     """Counts the triton backend's kernel launches: every Triton kernel of its module (pre-run hooks)
     and the Gluon SM90 kernel (its launch function; bf16 on an SM90 GPU runs that one)."""
-    from engine.h20_ops.vendor import flashmla_sparse, flashmla_sparse_sm90
+    from engine.h20_ops.vendor import flashmla_sparse, flashmla_sparse_gluon_sm90
 
     launches = []
-    real_sm90_launch = flashmla_sparse_sm90.launch
-    monkeypatch.setattr(flashmla_sparse_sm90, "launch",
+    real_sm90_launch = flashmla_sparse_gluon_sm90.launch
+    monkeypatch.setattr(flashmla_sparse_gluon_sm90, "launch",
                         lambda *args: launches.append("sm90") or real_sm90_launch(*args))
     for name, obj in vars(flashmla_sparse).items():
         while not hasattr(obj, "pre_run_hooks") and isinstance(getattr(obj, "fn", None), triton.runtime.KernelInterface):
@@ -511,7 +511,7 @@ def test_prefill_matches_oracle_ref_backend(ref_backend, dispatcher_calls):
 @pytest.mark.parametrize("splits", [1, 2])
 def test_decode_default_path(default_backend, dispatcher_calls, triton_launches, splits):
     if DEVICE == "cpu":
-        assert sparse_mla.resolve_backend() == "triton"
+        assert dispatch.resolve_backend() == "triton"
     case, buf = make_decode_case(20 + splits, 2, 2, 8, 16, topk=8, etopk=12, dtype=torch.bfloat16)
     out, lse = run_decode(case, num_splits=splits)
     assert out.dtype == torch.bfloat16
@@ -520,7 +520,7 @@ def test_decode_default_path(default_backend, dispatcher_calls, triton_launches,
     assert len(dispatcher_calls) == 1 and dispatcher_calls[0]["kv"].data_ptr() == buf.data_ptr()
     if splits > 1:
         assert_repeated_q(dispatcher_calls[0]["q"], case["q"], splits)
-    if sparse_mla.resolve_backend() == "triton":
+    if dispatch.resolve_backend() == "triton":
         assert len(triton_launches) == 1, triton_launches
 
 
@@ -537,7 +537,7 @@ def test_decode_default_path_single_row_split(default_backend, dispatcher_calls,
     out, lse = run_decode(case, num_splits=3)
     assert_repeated_q(dispatcher_calls[0]["q"], case["q"], 3)
     assert_matches(out, lse, oracle(case), exact=False, bound=split_rounding_bound(dispatcher_calls[0], 3))
-    if sparse_mla.resolve_backend() == "triton":
+    if dispatch.resolve_backend() == "triton":
         assert len(triton_launches) == 1
 
 
@@ -547,7 +547,7 @@ def test_prefill_default_path(default_backend, triton_launches):
     ref = sparse_mla_prefill_ref(query, kv, idx, SCALE, attn_sink=sink, topk_length=length)
     err = (out.double() - ref.out.double()).abs().cpu()
     assert ((err < 8e-4) | (err / (ref.out.double().abs().cpu() + 1e-6) < 3.01 / 128)).all()
-    if sparse_mla.resolve_backend() == "triton":
+    if dispatch.resolve_backend() == "triton":
         assert len(triton_launches) == 1
 
 
@@ -576,7 +576,7 @@ def test_decode_replays_in_a_cuda_graph(monkeypatch, backend, splits):
     torch.cuda.synchronize()
     eager_out, eager_lse = run_decode(new_case, num_splits=splits)
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
-    sparse_mla.reset_resolution_for_tests()
+    dispatch.reset_resolution_for_tests()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -660,7 +660,7 @@ def test_prefill_fp32_query_with_the_tilelang_backend_names_query():
     query, kv, idx, _, _ = make_prefill_case(16, torch.float32)
     with pytest.raises(TypeError, match=r"^query: expected dtype torch.bfloat16 \(the tilelang backend's kernels are "
                                         r"bf16 only; DEEPINFER_SPARSE_MLA_BACKEND=triton runs float32\), got torch.float32"):
-        sparse_mla.sparse_mla_fwd(query, kv, idx, SCALE, backend="tilelang",
+        dispatch.sparse_mla_fwd(query, kv, idx, SCALE, backend="tilelang",
                                   arg_names=attn._PREFILL_ARG_NAMES)
 
 
@@ -687,7 +687,7 @@ def test_prefill_errors_name_the_entry_points_arguments(monkeypatch, backend):
     for error, match, changes in cases:
         with pytest.raises(error, match=match):
             attn.prefill_attn_varlen_sparse(**{**good, **changes})
-    sparse_mla.reset_resolution_for_tests()
+    dispatch.reset_resolution_for_tests()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -738,15 +738,15 @@ def test_paged_slot_ids_keep_invalid_entries_invalid(with_extra):
 
 
 def test_paged_decode_bad_inputs_name_the_argument(ref_backend):
-    from engine.h20_ops import kv_quant
+    from engine.h20_ops import kv_cache
 
     b, s_q = 2, 1
     good = dict(
         q=torch.zeros(b, s_q, H, D, dtype=torch.bfloat16, device=DEVICE),
-        cache=kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, 2, 16, DEVICE),
+        cache=kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, 2, 16, DEVICE),
         slots=torch.zeros(b, 8, dtype=torch.int64, device=DEVICE),
         indices=torch.zeros(b, s_q, 4, dtype=torch.int32, device=DEVICE),
-        extra_cache=kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, 3, 16, DEVICE),
+        extra_cache=kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, 3, 16, DEVICE),
         extra_slots=torch.zeros(b, 6, dtype=torch.int32, device=DEVICE),
         extra_indices=torch.zeros(b, s_q, 5, dtype=torch.int32, device=DEVICE),
         topk_length=torch.zeros(b, dtype=torch.int32, device=DEVICE),
@@ -775,7 +775,7 @@ def test_paged_decode_bad_inputs_name_the_argument(ref_backend):
         (ValueError, "^extra_topk_length:", dict(extra_cache=None, extra_slots=None, extra_indices=None)),
         (ValueError, "^extra_cache:", dict(extra_cache=good["extra_cache"][:, :, :, :583])),
         (ValueError, "^extra_cache: expected block_size 16",
-         dict(extra_cache=kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, 3, 32, DEVICE))),
+         dict(extra_cache=kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, 3, 32, DEVICE))),
         (ValueError, "^extra_slots:", dict(extra_slots=good["extra_slots"][:, :0])),
         (ValueError, "^extra_indices:", dict(extra_indices=good["extra_indices"][:1])),
         (ValueError, "^extra_topk_length:", dict(extra_topk_length=good["extra_topk_length"][:1])),
@@ -793,14 +793,14 @@ def test_paged_decode_bad_inputs_name_the_argument(ref_backend):
 
 
 def test_paged_fp8_needs_the_tilelang_backend(default_backend):
-    if sparse_mla.resolve_backend() == "tilelang":
+    if dispatch.resolve_backend() == "tilelang":
         pytest.skip("TileLang resolved: the kernel itself is tested in tests/test_sparse_mla_sm90_paged_fp8.py")
     q = torch.zeros(1, 1, 64, 512, dtype=torch.bfloat16, device=DEVICE)
-    from engine.h20_ops import kv_quant
-    cache = kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, 1, 16, DEVICE)
+    from engine.h20_ops import kv_cache
+    cache = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, 1, 16, DEVICE)
     slots = torch.zeros(1, 4, dtype=torch.int64, device=DEVICE)
     indices = torch.zeros(1, 1, 4, dtype=torch.int32, device=DEVICE)
-    assert not sparse_mla.paged_fp8_supported()
+    assert not dispatch.paged_fp8_supported()
     with pytest.raises(ValueError, match="backend"):
         attn.decode_attn_sparse_paged_fp8(q, cache, slots, indices, SCALE)
 
@@ -814,7 +814,7 @@ def test_paged_fp8_equals_the_buffer_path(monkeypatch, batch, s_q, lengths, spli
     bit-identical to gather_dequant + decode_attn_sparse. Fillers, empty slots (never selected, as in
     the engine: the buffer path would attend to their zero rows), lengths and a sink included."""
     pytest.importorskip("tilelang", reason="the paged fp8 kernel is TileLang's")
-    from engine.h20_ops import kv_quant
+    from engine.h20_ops import kv_cache
 
     _select_backend(monkeypatch, "tilelang")
     g = torch.Generator().manual_seed(batch)
@@ -822,8 +822,8 @@ def test_paged_fp8_equals_the_buffer_path(monkeypatch, batch, s_q, lengths, spli
 
     def cache_and_slots(rows):
         num_blocks = -(-(batch * rows + 50) // block)
-        cache = kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, num_blocks, block, DEVICE)
-        kv_quant.quantize_into_cache(cache, torch.arange(num_blocks * block, device=DEVICE),
+        cache = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, num_blocks, block, DEVICE)
+        kv_cache.quantize_into_cache(cache, torch.arange(num_blocks * block, device=DEVICE),
                                      (torch.randn(num_blocks * block, 1, D, generator=g) * 0.1).to(DEVICE, torch.bfloat16))
         slots = torch.randperm(num_blocks * block, generator=g)[: batch * rows].view(batch, rows)
         slots[-1, rows // 2:] = -1  # a request with a short history
@@ -845,8 +845,8 @@ def test_paged_fp8_equals_the_buffer_path(monkeypatch, batch, s_q, lengths, spli
         kwargs["topk_length"][0], kwargs["extra_topk_length"][0] = 0, 0  # request 0: no entry at all
     q = (torch.randn(batch, s_q, H, D, generator=g) * 0.1).to(DEVICE, torch.bfloat16)
     buf = torch.full((batch, width + extra, 1, D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    kv_quant.gather_dequant(cache, slots, buf[:, :width])
-    kv_quant.gather_dequant(ecache, eslots, buf[:, width:])
+    kv_cache.gather_dequant(cache, slots, buf[:, :width])
+    kv_cache.gather_dequant(ecache, eslots, buf[:, width:])
     want_out, want_lse = attn.decode_attn_sparse(q, buf[:, :width], indices, SCALE, extra_kv_windows=buf[:, width:],
                                                  num_splits=splits, **kwargs)
     out, lse = attn.decode_attn_sparse_paged_fp8(q, cache, slots, indices, SCALE, extra_cache=ecache,
@@ -859,13 +859,13 @@ def test_paged_fp8_equals_the_buffer_path(monkeypatch, batch, s_q, lengths, spli
 
 @pytest.mark.gpu
 def test_paged_fp8_layout_errors_name_the_entry_points_arguments(monkeypatch):
-    """The paged kernel's own layout checks (16-byte aligned caches: kv_quant needs 4 bytes only) name
+    """The paged kernel's own layout checks (16-byte aligned caches: the fp8 quantizer needs 4 bytes only) name
     decode_attn_sparse_paged_fp8's cache / extra_cache, not the kernel's cache0 / cache1."""
     pytest.importorskip("tilelang", reason="the paged fp8 kernel is TileLang's")
-    from engine.h20_ops import kv_quant
+    from engine.h20_ops import kv_cache
 
     _select_backend(monkeypatch, "tilelang")
-    cache = kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, 2, 16, DEVICE)
+    cache = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, 2, 16, DEVICE)
     raw = torch.zeros(cache.untyped_storage().nbytes() + 16, dtype=torch.uint8, device=DEVICE)
     misaligned = raw.as_strided(cache.shape, cache.stride(), 4)  # a valid MODEL1 layout 4 bytes in
     q = torch.zeros(1, 1, H, D, dtype=torch.bfloat16, device=DEVICE)
@@ -876,7 +876,7 @@ def test_paged_fp8_layout_errors_name_the_entry_points_arguments(monkeypatch):
     with pytest.raises(ValueError, match="^extra_cache: expected a 16-byte aligned"):
         attn.decode_attn_sparse_paged_fp8(q, cache, slots, indices, SCALE, extra_cache=misaligned,
                                           extra_slots=slots, extra_indices=indices)
-    sparse_mla.reset_resolution_for_tests()
+    dispatch.reset_resolution_for_tests()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's numpy guard: CPU tensors only")

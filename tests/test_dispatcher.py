@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from engine import config
-from engine.h20_ops import backend_select, sparse_mla
-from engine.h20_ops.sparse_mla_ref import sparse_mla_prefill_ref
+from engine.h20_ops import backend_select
+from engine.h20_ops.attention import dispatch
+from engine.h20_ops.attention.reference import sparse_mla_prefill_ref
 
-KERNEL_MODULE = sparse_mla.TILELANG_KERNEL_MODULE
+KERNEL_MODULE = dispatch.TILELANG_KERNEL_MODULE
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,10 +33,10 @@ def fresh_process(monkeypatch):
     for name in saved_modules:
         del sys.modules[name]
     saved_meta_path = list(sys.meta_path)
-    sparse_mla.reset_resolution_for_tests()
+    dispatch.reset_resolution_for_tests()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # resolution as on a GPU node
     yield monkeypatch
-    sparse_mla.reset_resolution_for_tests()
+    dispatch.reset_resolution_for_tests()
     sys.meta_path[:] = saved_meta_path
     for name in [n for n in sys.modules if _is_tilelang_module(n)]:
         del sys.modules[name]
@@ -88,7 +89,7 @@ def test_unset_with_tilelang_importable_picks_tilelang(fresh_process):
     cannot even be looked up by name -> tilelang."""
     fresh_process.setitem(sys.modules, KERNEL_MODULE, _fake_kernel_module())
     sys.meta_path.insert(0, _raise_on_tilelang(ModuleNotFoundError("No module named 'tilelang'", name="tilelang")))
-    res = sparse_mla.backend_resolution()
+    res = dispatch.backend_resolution()
     assert (res.backend, res.tilelang_missing) == ("tilelang", None)
 
 
@@ -98,7 +99,7 @@ def test_unset_with_tilelang_failing_inside_the_kernel_module_picks_triton(fresh
     fresh_process.setitem(sys.modules, "tilelang", types.ModuleType("tilelang"))
     missing = ModuleNotFoundError("No module named 'tilelang'", name="tilelang")
     sys.meta_path.insert(0, _RaiseOnModule(lambda name: name == KERNEL_MODULE, missing))
-    res = sparse_mla.backend_resolution()
+    res = dispatch.backend_resolution()
     assert res.backend == "triton" and "No module named 'tilelang'" in res.tilelang_missing
 
 
@@ -107,13 +108,13 @@ def test_missing_tilelang_submodule_is_a_broken_install_not_absence(fresh_proces
     partial = ModuleNotFoundError("No module named 'tilelang.jit'", name="tilelang.jit")
     sys.meta_path.insert(0, _RaiseOnModule(lambda name: name == KERNEL_MODULE, partial))
     with pytest.raises(ImportError, match="tilelang.jit") as err:
-        sparse_mla.resolve_backend()
+        dispatch.resolve_backend()
     assert not isinstance(err.value, ModuleNotFoundError)
 
 
 def test_unset_with_simulated_absence_picks_triton_through_a_real_import(fresh_process):
     fresh_process.setenv("DEEPINFER_SIMULATE_NO_TILELANG", "1")
-    res = sparse_mla.backend_resolution()
+    res = dispatch.backend_resolution()
     assert res.backend == "triton"
     assert "DEEPINFER_SIMULATE_NO_TILELANG" in res.tilelang_missing
     with pytest.raises(ModuleNotFoundError):
@@ -129,7 +130,7 @@ def test_simulation_is_read_when_tilelang_is_imported_not_at_engine_import(tmp_p
     stdout = _probe_with_simulation(
         tmp_path,
         "import importlib.util, os\n"
-        "import engine.h20_ops.sparse_mla\n"
+        "import engine.h20_ops.attention.dispatch\n"
         "os.environ['DEEPINFER_SIMULATE_NO_TILELANG'] = '0'\n"
         "from engine.h20_ops import backend_select\n"
         "blocked = any(isinstance(f, backend_select._BlockTileLang) for f in __import__('sys').meta_path)\n"
@@ -161,11 +162,11 @@ def test_simulation_also_hides_an_already_imported_tilelang(fresh_process):
     package.__dict__[attr] = sys.modules[KERNEL_MODULE]
     fresh_process.setenv("DEEPINFER_SIMULATE_NO_TILELANG", "1")
     try:
-        assert sparse_mla.resolve_backend() == "triton"
+        assert dispatch.resolve_backend() == "triton"
         with pytest.raises(ModuleNotFoundError):
             importlib_import("tilelang.language")
         with pytest.raises(ModuleNotFoundError) as err:
-            from engine.h20_ops import sparse_mla_sm90  # noqa: F401
+            from engine.h20_ops.attention import tilelang_sm90  # noqa: F401
         assert err.value.name == "tilelang"
     finally:
         package.__dict__.pop(attr, None)
@@ -180,15 +181,16 @@ def test_simulation_blocks_explicit_backends_too(tmp_path):
     stdout = _probe_with_simulation(
         tmp_path,
         "import importlib, torch\n"
-        "from engine.h20_ops import fused_sample, sparse_mla\n"
+        "from engine.h20_ops.attention import dispatch\n"
+        "from engine.h20_ops.sampling import dispatch as sampling\n"
         "from engine.h20_ops.backend_select import TileLangUnavailableError\n"
         "bf16 = dict(dtype=torch.bfloat16)\n"
         "calls = {\n"
-        "    'prefill': lambda: sparse_mla.sparse_mla_fwd(torch.zeros(1, 64, 512, **bf16),\n"
+        "    'prefill': lambda: dispatch.sparse_mla_fwd(torch.zeros(1, 64, 512, **bf16),\n"
         "                                             torch.zeros(1, 1, 512, **bf16),\n"
         "                                             torch.zeros(1, 1, dtype=torch.int32), 0.1, backend='tilelang'),\n"
-        "    'paged': lambda: sparse_mla.sparse_mla_paged_fp8_fwd(None, None, None, None, 0.1, backend='tilelang'),\n"
-        "    'sample': lambda: fused_sample._implementation('tilelang', 'logits', torch.zeros(1, 4)),\n"
+        "    'paged': lambda: dispatch.sparse_mla_paged_fp8_fwd(None, None, None, None, 0.1, backend='tilelang'),\n"
+        "    'sample': lambda: sampling._implementation('tilelang', 'logits', torch.zeros(1, 4)),\n"
         "}\n"
         "for name, call in calls.items():\n"
         "    try:\n"
@@ -196,7 +198,7 @@ def test_simulation_blocks_explicit_backends_too(tmp_path):
         "        print(name, 'RAN')\n"
         "    except TileLangUnavailableError as exc:\n"
         "        print(name, 'unavailable', 'DEEPINFER_SIMULATE_NO_TILELANG=1' in str(exc))\n"
-        "for name in ('tilelang', 'tilelang.language', sparse_mla.TILELANG_KERNEL_MODULE):\n"
+        "for name in ('tilelang', 'tilelang.language', dispatch.TILELANG_KERNEL_MODULE):\n"
         "    try:\n"
         "        importlib.import_module(name)\n"
         "        print(name, 'IMPORTED')\n"
@@ -205,14 +207,14 @@ def test_simulation_blocks_explicit_backends_too(tmp_path):
     assert stdout.split("\n")[:-1] == [
         "prefill unavailable True", "paged unavailable True", "sample unavailable True",
         "tilelang blocked tilelang", "tilelang.language blocked tilelang",
-        f"{sparse_mla.TILELANG_KERNEL_MODULE} blocked tilelang"]
+        f"{dispatch.TILELANG_KERNEL_MODULE} blocked tilelang"]
 
 
 def test_explicit_tilelang_when_missing_is_a_clear_error(fresh_process):
     fresh_process.setenv("DEEPINFER_SPARSE_MLA_BACKEND", "tilelang")
     sys.meta_path.insert(0, _raise_on_tilelang(ModuleNotFoundError("No module named 'tilelang'", name="tilelang")))
-    with pytest.raises(sparse_mla.TileLangUnavailableError, match="DEEPINFER_SPARSE_MLA_BACKEND=tilelang"):
-        sparse_mla.resolve_backend()
+    with pytest.raises(dispatch.TileLangUnavailableError, match="DEEPINFER_SPARSE_MLA_BACKEND=tilelang"):
+        dispatch.resolve_backend()
 
 
 @pytest.mark.parametrize("exc", [ImportError("libtvm_ffi.so: undefined symbol: foo"),
@@ -220,45 +222,46 @@ def test_explicit_tilelang_when_missing_is_a_clear_error(fresh_process):
 def test_broken_tilelang_install_surfaces(fresh_process, exc):
     sys.meta_path.insert(0, _raise_on_tilelang(exc))
     with pytest.raises(type(exc), match=str(exc).split(":")[0]):
-        sparse_mla.resolve_backend()
+        dispatch.resolve_backend()
 
 
 @pytest.mark.parametrize("value", ["ref", "triton"])
 def test_explicit_backends(fresh_process, value):
     fresh_process.setenv("DEEPINFER_SPARSE_MLA_BACKEND", value)
-    assert sparse_mla.resolve_backend() == value
+    assert dispatch.resolve_backend() == value
 
 
 def test_bad_value_is_a_clear_error(fresh_process):
     fresh_process.setenv("DEEPINFER_SPARSE_MLA_BACKEND", "flashmla")
     with pytest.raises(config.ConfigError, match="DEEPINFER_SPARSE_MLA_BACKEND='flashmla'.*tilelang, triton, ref"):
-        sparse_mla.resolve_backend()
+        dispatch.resolve_backend()
     with pytest.raises(ValueError, match="^backend"):
-        sparse_mla.sparse_mla_fwd(torch.zeros(1, 64, 512), torch.zeros(1, 1, 512),
+        dispatch.sparse_mla_fwd(torch.zeros(1, 64, 512), torch.zeros(1, 1, 512),
                                   torch.zeros(1, 1, dtype=torch.int32), 0.1, backend="cuda")
 
 
 def test_no_cuda_resolves_to_the_triton_interpreter(fresh_process):
     fresh_process.setattr(torch.cuda, "is_available", lambda: False)
     fresh_process.setitem(sys.modules, KERNEL_MODULE, _fake_kernel_module())
-    assert sparse_mla.backend_resolution().backend == "triton"
+    assert dispatch.backend_resolution().backend == "triton"
 
 
 _INTERPRETER_PROBE = """
 import torch
-from engine.h20_ops import fused_sample, sparse_mla
+from engine.h20_ops import sampling
+from engine.h20_ops.attention import dispatch
 
-print(sparse_mla.backend_resolution().reason)
+print(dispatch.backend_resolution().reason)
 q, kv = 0.1 * torch.randn(2, 64, 512), 0.1 * torch.randn(8, 1, 512)
 idx = torch.tensor([[0, 3], [5, -1]], dtype=torch.int32)
 try:
-    out, _ = sparse_mla.sparse_mla_fwd(q, kv, idx, 0.05, backend="triton")
-    ref, _ = sparse_mla.sparse_mla_fwd(q, kv, idx, 0.05, backend="ref")
+    out, _ = dispatch.sparse_mla_fwd(q, kv, idx, 0.05, backend="triton")
+    ref, _ = dispatch.sparse_mla_fwd(q, kv, idx, 0.05, backend="ref")
     print("attention", float((out - ref).abs().max()) < 1e-4)
 except ValueError as exc:
     print("attention error:", exc)
 try:
-    print("sampled", fused_sample.greedy_sample(torch.tensor([[0.0, 2.0, 1.0]]), backend="triton").tolist())
+    print("sampled", sampling.greedy_sample(torch.tensor([[0.0, 2.0, 1.0]]), backend="triton").tolist())
 except ValueError as exc:
     print("sampling error:", exc)
 """
@@ -291,13 +294,13 @@ def test_interpreter_turned_off_without_cuda_is_named(tmp_path):
 
 def test_paged_fp8_entry_validates_its_backend(fresh_process):
     """An unknown backend is named as such, not as a backend without a paged kernel."""
-    for call in (lambda: sparse_mla.paged_fp8_supported("TileLang"),
-                 lambda: sparse_mla.sparse_mla_paged_fp8_fwd(None, None, None, None, 0.1, backend="bogus")):
+    for call in (lambda: dispatch.paged_fp8_supported("TileLang"),
+                 lambda: dispatch.sparse_mla_paged_fp8_fwd(None, None, None, None, 0.1, backend="bogus")):
         with pytest.raises(ValueError, match="^backend: expected one of ref, triton, tilelang or None"):
             call()
-    assert not sparse_mla.paged_fp8_supported("triton")
+    assert not dispatch.paged_fp8_supported("triton")
     with pytest.raises(ValueError, match="^backend: the paged fp8 kernel exists for tilelang only, got 'ref'"):
-        sparse_mla.sparse_mla_paged_fp8_fwd(None, None, None, None, 0.1, backend="ref")
+        dispatch.sparse_mla_paged_fp8_fwd(None, None, None, None, 0.1, backend="ref")
 
 
 def test_log_line_names_the_dp_rank(fresh_process, caplog):
@@ -306,7 +309,7 @@ def test_log_line_names_the_dp_rank(fresh_process, caplog):
     fresh_process.setattr(torch.distributed, "get_rank", lambda: 3)
     fresh_process.setattr(torch.distributed, "get_world_size", lambda: 8)
     with caplog.at_level(logging.INFO, logger=backend_select.__name__):
-        sparse_mla.resolve_backend()
+        dispatch.resolve_backend()
     lines = [r.getMessage() for r in caplog.records if r.name == backend_select.__name__]
     assert lines == ["sparse MLA backend: triton (DEEPINFER_SPARSE_MLA_BACKEND=triton) [dp rank 3/8]"]
 
@@ -315,7 +318,7 @@ def test_logged_once_per_process(fresh_process, caplog):
     fresh_process.setenv("DEEPINFER_SPARSE_MLA_BACKEND", "ref")
     with caplog.at_level(logging.INFO, logger=backend_select.__name__):
         for _ in range(3):
-            sparse_mla.resolve_backend()
+            dispatch.resolve_backend()
     lines = [r.getMessage() for r in caplog.records if r.name == backend_select.__name__]
     assert lines == ["sparse MLA backend: ref (DEEPINFER_SPARSE_MLA_BACKEND=ref)"]
 
@@ -330,7 +333,7 @@ def test_lse_is_base_2_whichever_backend(backend):
     kv = (torch.randn(40, 1, 512, generator=gen) * 0.1).bfloat16().to(device)
     idx = torch.randint(0, 40, (3, 16), generator=gen, dtype=torch.int32).to(device)
     idx[2] = -1  # empty row: +inf in both bases
-    out, lse2 = sparse_mla.sparse_mla_fwd(q, kv, idx, 3.0, backend=backend)
+    out, lse2 = dispatch.sparse_mla_fwd(q, kv, idx, 3.0, backend=backend)
     if backend == "triton":
         from engine.h20_ops.vendor.flashmla_sparse import flash_mla_sparse_fwd
         natural = flash_mla_sparse_fwd(q, kv, idx, 3.0)[2]
@@ -349,5 +352,5 @@ def test_missing_tilelang_dependency_is_a_broken_install_not_absence(fresh_proce
     missing_dep = ModuleNotFoundError("No module named 'tvm_ffi'", name="tvm_ffi")
     sys.meta_path.insert(0, _raise_on_tilelang(missing_dep))
     with pytest.raises(ImportError, match="tvm_ffi") as err:
-        sparse_mla.resolve_backend()
+        dispatch.resolve_backend()
     assert not isinstance(err.value, ModuleNotFoundError)

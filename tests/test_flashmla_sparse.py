@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.h20_ops.sparse_mla_ref import sparse_mla_prefill_ref
+from engine.h20_ops.attention.reference import sparse_mla_prefill_ref
 from engine.h20_ops.vendor import flashmla_sparse
 from engine.h20_ops.vendor.flashmla_sparse import flash_mla_sparse_fwd
 
@@ -453,7 +453,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from engine.h20_ops.vendor import flashmla_sparse_sm90 as sm90
+from engine.h20_ops.vendor import flashmla_sparse_gluon_sm90 as sm90
 
 kernel = sm90.sparse_mla_fwd_sm90_kernel
 d_qk = int(sys.argv[1])
@@ -507,8 +507,8 @@ def _on_sm90() -> bool:
 def gluon_launches(monkeypatch) -> list:
     """The dtypes of q in the Gluon kernel's launches during the test (it still runs)."""
     launches = []
-    real_launch = flashmla_sparse.flashmla_sparse_sm90.launch
-    monkeypatch.setattr(flashmla_sparse.flashmla_sparse_sm90, "launch",
+    real_launch = flashmla_sparse.flashmla_sparse_gluon_sm90.launch
+    monkeypatch.setattr(flashmla_sparse.flashmla_sparse_gluon_sm90, "launch",
                         lambda *args: launches.append(args[0].dtype) or real_launch(*args))
     return launches
 

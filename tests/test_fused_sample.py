@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.h20_ops import fused_sample as fs
-from engine.h20_ops import fused_sample_ref as ref
-from engine.h20_ops.fused_sample_ref import DRAW_ACCEPT, DRAW_DRAFT
-from engine.h20_ops import fused_sample_triton as ft
+from engine.h20_ops import sampling as fs
+from engine.h20_ops.sampling import reference as ref
+from engine.h20_ops.sampling.reference import DRAW_ACCEPT, DRAW_DRAFT
+from engine.h20_ops.sampling import triton_kernels as ft
 
 # Rows of -inf logits make the interpreter's numpy compute (-inf) - (-inf) before the mask drops it.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -445,11 +445,11 @@ AS_ON_A_GPU_NODE = "import torch\ntorch.cuda.is_available = lambda: True\n"
 def test_simulated_missing_tilelang_resolves_to_triton():
     out = _run_python(
         AS_ON_A_GPU_NODE +
-        "import engine.h20_ops.fused_sample as fs\n"
+        "import engine.h20_ops.sampling.dispatch as fs\n"
         "r = fs.backend_resolution()\n"
         "print(r.backend, 'TileLang missing' in r.reason)\n"
         "try:\n"
-        "    import engine.h20_ops.fused_sample_sm90\n"
+        "    import engine.h20_ops.sampling.tilelang_sm90\n"
         "except ModuleNotFoundError:\n"
         "    print('blocked')\n",
         DEEPINFER_SIMULATE_NO_TILELANG="1")
@@ -458,7 +458,7 @@ def test_simulated_missing_tilelang_resolves_to_triton():
 
 def test_auto_resolution_prefers_tilelang_when_it_imports():
     pytest.importorskip("tilelang")
-    out = _run_python(AS_ON_A_GPU_NODE + "import engine.h20_ops.fused_sample as fs\nprint(fs.resolve_backend())",
+    out = _run_python(AS_ON_A_GPU_NODE + "import engine.h20_ops.sampling.dispatch as fs\nprint(fs.resolve_backend())",
                       DEEPINFER_SIMULATE_NO_TILELANG="0")
     assert out.split()[-1] == "tilelang"
 
@@ -470,7 +470,7 @@ def test_triton_kernels_compile_for_sm90():
         "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
-        "from engine.h20_ops import fused_sample_triton as ft\n"
+        "from engine.h20_ops.sampling import triton_kernels as ft\n"
         "ptr = {'logits': '*bf16', 'out': '*i64', 'seeds': '*i64', 'positions': '*i64', 'scales': '*fp32',\n"
         "       'top_ks': '*i64', 'top_ps': '*fp32', 'target_logits': '*fp32', 'draft_logits': '*fp32',\n"
         "       'draft_tokens': '*i64', 'out_tokens': '*i64', 'out_accepted': '*i64'}\n"
@@ -491,7 +491,7 @@ def test_tilelang_kernels_lower_for_sm90a():
     out = _run_python(
         "import tilelang\n"
         "from tilelang import tvm\n"
-        "from engine.h20_ops import fused_sample_sm90 as k\n"
+        "from engine.h20_ops.sampling import tilelang_sm90 as k\n"
         "target = tvm.target.Target({'kind': 'cuda', 'arch': 'sm_90a'})\n"
         "for f in (k.greedy_kernel('bfloat16'), k.sample_kernel('float32', 2), k.rejection_kernel('bfloat16')):\n"
         "    with tvm.transform.PassContext(config=k.PASS_CONFIGS), target:\n"

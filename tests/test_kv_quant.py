@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import engine.h20_ops  # noqa: F401
-from engine.h20_ops import kv_quant as kq
+from engine.h20_ops import kv_cache as kq
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from engine import ops
-from engine.h20_ops import fused_sample, kv_quant, sparse_mla
-from engine.kv_cache import PagedRows
+from engine.h20_ops import sampling
+from engine.h20_ops import kv_cache
+from engine.h20_ops.attention import dispatch
+from engine.kv_store import PagedRows
 from engine.model import tiny
 from engine.model.hf_oracle import hf_greedy, hf_teacher_forced
 from engine.runner import Completion, Engine, Request
@@ -72,11 +74,11 @@ def backend_env(monkeypatch):
             monkeypatch.delenv(name, raising=False)
         for name, value in values.items():
             monkeypatch.setenv(name, value)
-        sparse_mla.reset_resolution_for_tests()
+        dispatch.reset_resolution_for_tests()
         ops.reset_fallback_counts()
 
     yield set_env
-    sparse_mla.reset_resolution_for_tests()
+    dispatch.reset_resolution_for_tests()
 
 
 def _assert_matches_oracle(completions, oracle, names):
@@ -229,17 +231,17 @@ def test_oracle_in_bf16_names_the_transformers_it_needs(checkpoint, monkeypatch)
 
 
 def _fp8_round_trip(x):
-    """x [..., 512] -> what a MODEL1 fp8 cache returns for it (kv_quant's torch reference)."""
+    """x [..., 512] -> what a MODEL1 fp8 cache returns for it (the fp8 quantizer's torch reference)."""
     rows = x.reshape(-1, x.size(-1))
     n = rows.size(0)
-    cache = kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, max(1, -(-n // 64)), 64, x.device)
+    cache = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, max(1, -(-n // 64)), 64, x.device)
     slots = torch.arange(n, device=x.device)
-    kv_quant.quantize_into_cache_ref(cache, slots, rows[:, None].float().contiguous())
-    return kv_quant.dequantize_from_cache_ref(cache, slots, x.dtype).reshape(x.shape)
+    kv_cache.quantize_into_cache_ref(cache, slots, rows[:, None].float().contiguous())
+    return kv_cache.dequantize_from_cache_ref(cache, slots, x.dtype).reshape(x.shape)
 
 
 def test_engine_fp8_kv_cache_holds_the_reference_round_trip(checkpoint, prompts, backend_env, monkeypatch):
-    """The fp8 (MODEL1) stores return exactly kv_quant's torch reference round trip of the rows the
+    """The fp8 (MODEL1) stores return exactly the fp8 quantizer's torch reference round trip of the rows the
     engine writes: an engine with model-dtype stores that keep _fp8_round_trip(rows) in the window
     and compressed stores (indexer keys stay exact in both) computes every value before a store the
     same way, so its logits and tokens must be bit-identical to the fp8 engine's."""
@@ -318,12 +320,12 @@ def test_engine_paged_fp8_decode_matches_the_gather_path(checkpoint, prompts, ba
     Both attend over the same bf16 values in the same order with the same split (the kernels' equality
     is tested bit for bit in tests/test_attn_sm90.py), so tokens must be equal and logits (nearly) so."""
     pytest.importorskip("tilelang", reason="the paged fp8 kernel is TileLang's")
-    from engine.h20_ops import attn_sm90
+    from engine.h20_ops.attention import entry
     from engine.model import deepseek_v4
 
     backend_env(DEEPINFER_SPARSE_MLA_BACKEND="tilelang")
     calls = []
-    real = attn_sm90.decode_attn_sparse_paged_fp8
+    real = entry.decode_attn_sparse_paged_fp8
 
     def counting(*args, **kwargs):
         calls.append(args[0].shape[:2])
@@ -334,7 +336,7 @@ def test_engine_paged_fp8_decode_matches_the_gather_path(checkpoint, prompts, ba
     results = {}
     for paged in (True, False):
         if not paged:
-            monkeypatch.setattr(sparse_mla, "paged_fp8_supported", lambda backend=None: False)
+            monkeypatch.setattr(dispatch, "paged_fp8_supported", lambda backend=None: False)
         calls.clear()
         engine = Engine(checkpoint, device="cuda", dtype=torch.bfloat16, kv_cache_dtype="fp8")
         results[paged] = engine.generate([Request(n, prompts[n][0], prompts[n][1]) for n in names])
@@ -366,7 +368,7 @@ def test_engine_rejects_float32_on_tilelang(checkpoint, backend_env, monkeypatch
     """The TileLang sparse MLA kernels take bf16 only: a float32 engine on a process that resolved
     tilelang fails at construction, naming dtype and the way out, instead of in its first forward."""
     backend_env()
-    monkeypatch.setattr(sparse_mla, "resolve_backend", lambda: "tilelang")
+    monkeypatch.setattr(dispatch, "resolve_backend", lambda: "tilelang")
     with pytest.raises(ValueError, match=r"dtype: torch.float32 .*tilelang.*DEEPINFER_SPARSE_MLA_BACKEND=triton"):
         Engine(checkpoint, dtype=torch.float32)
     Engine(checkpoint, dtype=torch.bfloat16)  # bf16 is what the kernels take
@@ -476,7 +478,7 @@ def test_sampled_engine_ref_and_triton_samplers_agree_and_greedy_rows_stay_greed
     backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
     engine = Engine(checkpoint, max_batch_size=3, max_seq_len=256)
     assert engine.sample_backend == "ref"
-    launches = launch_batches(fused_sample, "sample")
+    launches = launch_batches(sampling, "sample")
     by_ref = engine.generate(_sampled_requests(prompts, (11, 12)))
     assert launches == [3, 3, 3, 3], "one sampling launch per step for the whole batch"
     engine.sample_backend = "triton"

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from engine import ops
-from engine.h20_ops import fused_sample, sparse_mla
+from engine.h20_ops import sampling
+from engine.h20_ops.attention import dispatch
 from engine.model import nextn, tiny
 from engine.runner import Engine, Request
 
@@ -53,16 +54,16 @@ def _set_env(monkeypatch, **values):
         monkeypatch.delenv(name, raising=False)
     for name, value in values.items():
         monkeypatch.setenv(name, value)
-    sparse_mla.reset_resolution_for_tests()
-    fused_sample.reset_resolution_for_tests()
+    dispatch.reset_resolution_for_tests()
+    sampling.reset_resolution_for_tests()
     ops.reset_fallback_counts()
 
 
 @pytest.fixture(autouse=True)
 def _reset_resolutions():
     yield
-    sparse_mla.reset_resolution_for_tests()
-    fused_sample.reset_resolution_for_tests()
+    dispatch.reset_resolution_for_tests()
+    sampling.reset_resolution_for_tests()
 
 
 def _snapshot(engine, active):
@@ -274,7 +275,7 @@ def test_verification_ranks_only_the_index_keys_each_token_sees(checkpoint, monk
 
 
 def test_paged_rows_truncate_and_release_return_pages_to_the_reservation():
-    from engine.kv_cache import CacheCapacityError, PagedRows
+    from engine.kv_store import CacheCapacityError, PagedRows
 
     store = PagedRows("t", num_layers=1, num_pages=4, page_size=4, row_dim=8, dtype=torch.float32,
                       device="cpu", fp8=False)
@@ -353,7 +354,7 @@ def test_nextn_sampled_ref_and_triton_samplers_agree(checkpoint, reference, monk
     _set_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
     engine = Engine(checkpoint, max_batch_size=2, max_seq_len=256, num_speculative_tokens=2)
     requests = lambda: _sampled([31], greedy=True)  # noqa: E731
-    launches = launch_batches(fused_sample, "rejection_sample")
+    launches = launch_batches(sampling, "rejection_sample")
     by_ref = engine.generate(requests())
     assert launches and all(n == 2 for n in launches[:-1]) and launches[-1] in (1, 2), launches
     engine.sample_backend = "triton"
@@ -393,12 +394,12 @@ def test_draft_and_verify_draws_never_share_a_stream_word(checkpoint, monkeypatc
     steered through all outcomes (accept 2 + bonus, accept 1, reject the first), so the next chain
     starts at every offset, including positions whose discarded drafts a naive draft position
     (position + j) would draw again."""
-    from engine.h20_ops.fused_sample_ref import DRAW_ACCEPT, DRAW_DRAFT, DRAW_SAMPLE
+    from engine.h20_ops.sampling.reference import DRAW_ACCEPT, DRAW_DRAFT, DRAW_SAMPLE
 
     _set_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
     engine = Engine(checkpoint, max_batch_size=2, max_seq_len=256, num_speculative_tokens=2)
     used, outcomes = [], []
-    real_sample, real_rejection = fused_sample.sample, fused_sample.rejection_sample
+    real_sample, real_rejection = sampling.sample, sampling.rejection_sample
 
     def recording_sample(logits, seeds, positions, temperature, top_k, top_p, *, draw, backend):
         used.extend((s, p, draw) for s, p, t in zip(seeds.tolist(), positions.tolist(), temperature.tolist()) if t > 0)
@@ -418,8 +419,8 @@ def test_draft_and_verify_draws_never_share_a_stream_word(checkpoint, monkeypatc
         outcomes.extend(accepted.tolist())
         return tokens, accepted
 
-    monkeypatch.setattr(fused_sample, "sample", recording_sample)
-    monkeypatch.setattr(fused_sample, "rejection_sample", steered_rejection)
+    monkeypatch.setattr(sampling, "sample", recording_sample)
+    monkeypatch.setattr(sampling, "rejection_sample", steered_rejection)
     engine.generate(_sampled([51], n=10))
     assert {0, 1, 2} <= set(outcomes), outcomes
     assert {d for _, _, d in used} == {DRAW_SAMPLE, DRAW_ACCEPT, DRAW_DRAFT}

@@ -8,7 +8,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4RMSN
 from triton.runtime.errors import InterpreterError
 
 from engine import ops
-from engine.h20_ops import kv_quant
+from engine.h20_ops import kv_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -193,7 +193,7 @@ def test_kv_quant_ops_match_between_implementations(monkeypatch):
     caches, rows = {}, {}
     for impl in ("triton", "ref"):
         monkeypatch.setenv("DEEPINFER_KERNELS", impl)
-        cache = kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, 2, 64, DEVICE)
+        cache = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, 2, 64, DEVICE)
         ops.kv_quantize(cache, slots, kv)
         out = torch.full((1, 10, 1, 512), float("nan"), device=DEVICE)
         rows[impl] = ops.kv_gather_dequant(cache, slots[None], out)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine.h20_ops.sparse_mla_ref import sparse_mla_decode_ref, sparse_mla_prefill_ref
+from engine.h20_ops.attention.reference import sparse_mla_decode_ref, sparse_mla_prefill_ref
 
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
 

@@ -1,4 +1,4 @@
-"""The TileLang SM90 sparse MLA kernel (engine.h20_ops.sparse_mla_sm90).
+"""The TileLang SM90 sparse MLA kernel (engine.h20_ops.attention.tilelang_sm90).
 
 CPU: every kernel variant lowers and nvcc-compiles for an explicit sm_90a target (an API break in
 TileLang or a kernel error fails here), the generated source keeps the properties the contract
@@ -19,11 +19,11 @@ import tempfile
 import pytest
 import torch
 
-from engine.h20_ops.sparse_mla_ref import sparse_mla_prefill_ref
+from engine.h20_ops.attention.reference import sparse_mla_prefill_ref
 
 tilelang = pytest.importorskip("tilelang", reason="tilelang is not installed (pip install '.[tilelang]')")
 
-MODULE = "engine.h20_ops.sparse_mla_sm90"
+MODULE = "engine.h20_ops.attention.tilelang_sm90"
 VARIANTS = [(64, 512), (128, 512), (64, 576), (128, 576)]  # (h_q, d_qk): V4-Flash, V4-Pro, V3.2
 LOG2E = 1.0 / math.log(2.0)
 INVALID_FILLERS = (-1, -(2**31), -123456, 2**31 - 1)  # plus s_kv itself, added per case
@@ -34,7 +34,7 @@ INVALID_FILLERS = (-1, -(2**31), -123456, 2**31 - 1)  # plus s_kv itself, added 
 
 @pytest.mark.parametrize("h_q,d_qk", VARIANTS)
 def test_kernel_compiles_for_sm90a(h_q, d_qk):
-    from engine.h20_ops import sparse_mla_sm90 as sm90
+    from engine.h20_ops.attention import tilelang_sm90 as sm90
 
     src = sm90.compiled_kernel(h_q, d_qk).get_kernel_source()
     # The gather zero-fills invalid rows (cp.async with source size 0) instead of reading them:
@@ -63,7 +63,7 @@ def test_kernel_compiles_for_sm90a(h_q, d_qk):
 def test_ptxas_keeps_wgmma_async_without_spills(h_q, d_qk):
     """A wgmma left in flight across a loop back edge (or a register-hungry change) makes ptxas
     serialize every wgmma of the kernel (warning C7515) or spill: still correct, ~2x slower."""
-    from engine.h20_ops import sparse_mla_sm90 as sm90
+    from engine.h20_ops.attention import tilelang_sm90 as sm90
 
     ptxas = shutil.which("ptxas")
     if ptxas is None:
@@ -114,7 +114,7 @@ def _small_inputs(dtype=torch.bfloat16, h_q=64, d_qk=512, device="cpu"):
 
 
 def test_rejects_float32_q():
-    from engine.h20_ops.sparse_mla_sm90 import sparse_mla_fwd_sm90
+    from engine.h20_ops.attention.tilelang_sm90 import sparse_mla_fwd_sm90
 
     q, kv, idx = _small_inputs(torch.float32)
     with pytest.raises(TypeError, match="^q: "):
@@ -122,7 +122,7 @@ def test_rejects_float32_q():
 
 
 def test_rejects_cpu_tensors():
-    from engine.h20_ops.sparse_mla_sm90 import sparse_mla_fwd_sm90
+    from engine.h20_ops.attention.tilelang_sm90 import sparse_mla_fwd_sm90
 
     q, kv, idx = _small_inputs()
     with pytest.raises(ValueError, match="^q: expected a CUDA tensor"):
@@ -132,20 +132,24 @@ def test_rejects_cpu_tensors():
 def test_rejects_a_gpu_other_than_sm90(monkeypatch):
     """A CUDA device of another architecture (here: claimed 10.0) is a clear error before any launch,
     for the prefill and the paged fp8 kernel alike (wgmma / setmaxnreg code is sm_90a only)."""
-    from engine.h20_ops import kv_quant, sparse_mla_sm90, sparse_mla_sm90_paged_fp8
+    from engine.h20_ops import kv_cache
+    from engine.h20_ops.attention import tilelang_sm90
+    from engine.h20_ops.attention import tilelang_sm90_paged_fp8
 
-    monkeypatch.setattr(sparse_mla_sm90, "cuda_capability", lambda device: (10, 0))
+    # the paged module's own view of tilelang_sm90 (another test may have re-imported that module)
+    for check in (tilelang_sm90.require_sm90_device, tilelang_sm90_paged_fp8.require_sm90_device):
+        monkeypatch.setitem(check.__globals__, "cuda_capability", lambda device: (10, 0))
     q, kv, idx = _small_inputs()
     with pytest.raises(ValueError, match=r"^q: expected a tensor on an SM90 GPU .* 10\.0; use DEEPINFER_SPARSE"):
-        sparse_mla_sm90.sparse_mla_fwd_sm90(q, kv, idx, 0.04)
-    cache = kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, 2, 16, "cpu")
+        tilelang_sm90.sparse_mla_fwd_sm90(q, kv, idx, 0.04)
+    cache = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, 2, 16, "cpu")
     with pytest.raises(ValueError, match="^q: expected a tensor on an SM90 GPU"):
-        sparse_mla_sm90_paged_fp8.sparse_mla_fwd_sm90_paged_fp8(q, cache, None, idx, 0.04)
+        tilelang_sm90_paged_fp8.sparse_mla_fwd_sm90_paged_fp8(q, cache, None, idx, 0.04)
 
 
 @pytest.mark.parametrize("h_q,d_qk,bad", [(32, 512, "q"), (64, 640, "q")])
 def test_rejects_unsupported_shapes(h_q, d_qk, bad):
-    from engine.h20_ops.sparse_mla_sm90 import sparse_mla_fwd_sm90
+    from engine.h20_ops.attention.tilelang_sm90 import sparse_mla_fwd_sm90
 
     q, kv, idx = _small_inputs(h_q=h_q, d_qk=d_qk)
     with pytest.raises(ValueError, match=f"^{bad}: "):
@@ -206,7 +210,7 @@ def _case(s_q, s_kv, h_q, d_qk, topk, *, seed, invalid_frac=0.2, dup=False, leng
 
 
 def _check_against_oracle(q, kv, idx, attn_sink, topk_length, sm_scale):
-    from engine.h20_ops.sparse_mla_sm90 import sparse_mla_fwd_sm90
+    from engine.h20_ops.attention.tilelang_sm90 import sparse_mla_fwd_sm90
 
     out, lse = sparse_mla_fwd_sm90(q, kv, idx, sm_scale, 512, attn_sink, topk_length)
     ref = sparse_mla_prefill_ref(q, kv, idx, sm_scale, 512, attn_sink, topk_length)
@@ -270,7 +274,7 @@ def test_ctas_serving_several_items(h_q, d_qk, topk):
 def test_rejects_misaligned_operands(name):
     """q is read by TMA and kv rows by 16-byte cp.async: a contiguous view starting off a 16-byte
     boundary is refused by name instead of faulting in the kernel."""
-    from engine.h20_ops.sparse_mla_sm90 import sparse_mla_fwd_sm90
+    from engine.h20_ops.attention.tilelang_sm90 import sparse_mla_fwd_sm90
 
     q, kv, idx = _small_inputs(device="cuda")
     t = q if name == "q" else kv

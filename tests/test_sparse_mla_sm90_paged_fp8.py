@@ -1,5 +1,5 @@
 """The TileLang SM90 sparse MLA decode kernel over two paged fp8 MODEL1 caches
-(engine.h20_ops.sparse_mla_sm90_paged_fp8).
+(engine.h20_ops.attention.tilelang_sm90_paged_fp8).
 
 CPU: both variants (h_q 64, 128) lower and nvcc-compile for sm_90a; ptxas keeps the wgmmas
 asynchronous without spills; the producer stages the fp8 bytes with 16-byte cp.async, the consumers
@@ -18,8 +18,8 @@ import tempfile
 import pytest
 import torch
 
-from engine.h20_ops import kv_quant
-from engine.h20_ops.sparse_mla_ref import sparse_mla_prefill_ref
+from engine.h20_ops import kv_cache
+from engine.h20_ops.attention.reference import sparse_mla_prefill_ref
 
 tilelang = pytest.importorskip("tilelang", reason="tilelang is not installed (pip install '.[tilelang]')")
 
@@ -29,7 +29,7 @@ INT_MIN, INT_MAX = -(2 ** 31), 2 ** 31 - 1
 
 @pytest.mark.parametrize("h_q", [64, 128])
 def test_kernel_compiles_async_without_spills(h_q):
-    from engine.h20_ops import sparse_mla_sm90_paged_fp8 as fp8
+    from engine.h20_ops.attention import tilelang_sm90_paged_fp8 as fp8
 
     kernel = fp8.compiled_kernel(h_q)
     src = kernel.get_kernel_source()
@@ -67,9 +67,9 @@ def test_kernel_compiles_async_without_spills(h_q):
 
 
 def test_rejects_bad_caches():
-    from engine.h20_ops.sparse_mla_sm90_paged_fp8 import cache_views
+    from engine.h20_ops.attention.tilelang_sm90_paged_fp8 import cache_views
 
-    good = kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, 2, 16, "cpu")
+    good = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, 2, 16, "cpu")
     with pytest.raises(TypeError, match="cache0"):
         cache_views(good.float(), "cache0")
     with pytest.raises(ValueError, match="cache1"):
@@ -100,9 +100,9 @@ def _case(batch, s_q, h_q, n_win, n_cmp, seed, *, invalid=0.0, lengths=False, si
     sizes = (-(-(batch * n_win + 300) // block_size), -(-(batch * s_q * n_cmp + 1000) // block_size) + 3)
     caches = []
     for nb in sizes:
-        cache = kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, nb, block_size, dev)
+        cache = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, nb, block_size, dev)
         n = nb * block_size
-        kv_quant.quantize_into_cache(cache, torch.arange(n, device=dev),
+        kv_cache.quantize_into_cache(cache, torch.arange(n, device=dev),
                                      (torch.randn(n, 1, 512, generator=g, device=dev) * 0.1).bfloat16())
         caches.append(cache)
     n0, n1 = (nb * block_size for nb in sizes)
@@ -125,7 +125,7 @@ def _case(batch, s_q, h_q, n_win, n_cmp, seed, *, invalid=0.0, lengths=False, si
     used[chosen[(chosen >= 0) & (chosen < n0 + n1)]] = True
     _nan_fill_unselected(caches[0], used[:n0], block_size)
     _nan_fill_unselected(caches[1], used[n0:], block_size)
-    rows = torch.cat([kv_quant.dequantize_from_cache_ref(c, torch.arange(n, device=dev), torch.bfloat16)
+    rows = torch.cat([kv_cache.dequantize_from_cache_ref(c, torch.arange(n, device=dev), torch.bfloat16)
                       for c, n in zip(caches, (n0, n1))])
     q = (torch.randn(batch * s_q, h_q, 512, generator=g, device=dev) * 0.1).bfloat16()
     attn_sink = None
@@ -146,7 +146,7 @@ def _case(batch, s_q, h_q, n_win, n_cmp, seed, *, invalid=0.0, lengths=False, si
     (300, 1, 64, 64, {"lengths": True}),  # CTAs serving several items
 ])
 def test_matches_oracle(h_q, batch, s_q, n_win, n_cmp, extras):
-    from engine.h20_ops.sparse_mla_sm90_paged_fp8 import sparse_mla_fwd_sm90_paged_fp8
+    from engine.h20_ops.attention.tilelang_sm90_paged_fp8 import sparse_mla_fwd_sm90_paged_fp8
 
     q, caches, rows, idx, attn_sink, topk_length = _case(batch, s_q, h_q, n_win, n_cmp, seed=batch + h_q, **extras)
     sm_scale = 512 ** -0.5
@@ -165,11 +165,11 @@ def test_matches_oracle(h_q, batch, s_q, n_win, n_cmp, extras):
 
 @pytest.mark.gpu
 def test_scales_above_2_to_the_7_dequantize_exactly():
-    """kv_quant writes ue8m0 scale bytes up to 247 (tiles with |x| > 57344 get scales above 2^7), where
+    """the fp8 quantizer writes ue8m0 scale bytes up to 247 (tiles with |x| > 57344 get scales above 2^7), where
     the conversion's single bf16 factor 2^(t - 7) would overflow: such groups take two factors. One entry
     per query (P = 1), so out is that row as gather_dequant / the torch reference dequantize it, bit for
     bit; every 64-dim group of a row has its own magnitude, 2^-10 .. 2^100."""
-    from engine.h20_ops.sparse_mla_sm90_paged_fp8 import sparse_mla_fwd_sm90_paged_fp8
+    from engine.h20_ops.attention.tilelang_sm90_paged_fp8 import sparse_mla_fwd_sm90_paged_fp8
 
     dev, block_size, n = torch.device("cuda"), 64, 256
     g = torch.Generator(device=dev).manual_seed(7)
@@ -177,13 +177,13 @@ def test_scales_above_2_to_the_7_dequantize_exactly():
     pick = (torch.arange(n, device=dev)[:, None] + torch.arange(8, device=dev)[None, :]) % 8  # [n, 8 groups]
     magnitude = torch.exp2(exponents[pick]).repeat_interleave(64, dim=1)  # [n, 512]
     kv = (torch.randn(n, 1, 512, generator=g, device=dev) * magnitude[:, None, :]).bfloat16()
-    cache = kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, n // block_size, block_size, dev)
-    kv_quant.quantize_into_cache(cache, torch.arange(n, device=dev), kv)
+    cache = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, n // block_size, block_size, dev)
+    kv_cache.quantize_into_cache(cache, torch.arange(n, device=dev), kv)
     scale_bytes = cache.view(n // block_size, -1)[:, block_size * 576:block_size * 584].reshape(n, 8)[:, :7]
     # groups on both sides of 2^7, in rows that take the two-factor conversion (the single-factor rows: the
     # other tests)
     assert int(scale_bytes.max()) > 134 and int(scale_bytes.min()) < 134
-    rows = kv_quant.dequantize_from_cache_ref(cache, torch.arange(n, device=dev), torch.bfloat16)
+    rows = kv_cache.dequantize_from_cache_ref(cache, torch.arange(n, device=dev), torch.bfloat16)
     assert torch.isfinite(rows.float()).all()
     q = (torch.randn(n, 64, 512, generator=g, device=dev) * 0.1).bfloat16()
     idx = torch.arange(n, device=dev, dtype=torch.int32).view(n, 1)

@@ -24,8 +24,8 @@ from typing import Callable
 
 import torch
 
-from engine import config
-from engine.h20_ops import triton_interprets
+from .. import config
+from .platform import triton_interprets
 
 log = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ Weights and the non-attention blocks come from transformers' DeepseekV4ForCausal
 the HF-format checkpoint): embeddings, MoE (hash-routed and top-k), projections, head. Everything
 that is attention or state is the engine's own:
   - norms and RoPE through engine.ops (DEEPINFER_KERNELS picks Triton or torch);
-  - K=V rows, compressed entries and indexer keys in the paged stores of engine.kv_cache;
+  - K=V rows, compressed entries and indexer keys in the paged stores of engine.kv_store;
   - compressors (ratio 4 with overlapping windows + lightning indexer, ratio 128) step by step
     with per-request state, as transformers' DeepseekV4CSACache / HCACache define them;
-  - attention ONLY through engine.h20_ops.attn_sm90: prefill_attn_varlen_sparse over the packed
+  - attention ONLY through engine.h20_ops.attention.entry: prefill_attn_varlen_sparse over the packed
     batch, decode_attn_sparse with the sliding window as main cache and compressed entries as the
     extra cache, sinks passed in; inverse RoPE on the output, then the grouped output projection.
 
@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from engine import ops
-from engine.h20_ops import sparse_mla
-from engine.h20_ops.attn_sm90 import decode_attn_sparse, decode_attn_sparse_paged_fp8, prefill_attn_varlen_sparse
-from engine.kv_cache import PagedRows, RequestState
+from engine.h20_ops.attention import dispatch
+from engine.h20_ops.attention.entry import decode_attn_sparse, decode_attn_sparse_paged_fp8, prefill_attn_varlen_sparse
+from engine.kv_store import PagedRows, RequestState
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -393,7 +393,7 @@ class DeepseekV4Runtime:
             columns = torch.arange(s_q * e_width, dtype=torch.long).expand(batch, -1)
             extra_indices = torch.where(chosen >= 0, columns, -1).view(batch, s_q, e_width).to(torch.int32).to(device)
         q4 = q.reshape(batch, s_q, *q.shape[1:])
-        if window.fp8 and sparse_mla.paged_fp8_supported():
+        if window.fp8 and dispatch.paged_fp8_supported():
             # The kernel reads the fp8 rows of both stores itself: no bf16 decode buffer (as fast or
             # faster than gather_dequant + the bf16 kernel from batch 1 to 128 on an H200, docs/decode.md).
             extra = {}

@@ -2,7 +2,7 @@
 
 Two kernels, chosen by dtype, device and layout before launching (never as a fallback after a
 failure): bf16 on an SM90 GPU with 16-byte aligned q / kv pointers and row strides that are multiples
-of 16 elements runs the warp-specialized Gluon kernel of flashmla_sparse_sm90.py; float32, other GPUs,
+of 16 elements runs the warp-specialized Gluon kernel of flashmla_sparse_gluon_sm90.py; float32, other GPUs,
 Triton's interpreter (CPU tests) and other layouts (see runs_sm90_kernel) run the portable tl kernel
 below. Both implement the
 contract stated here and are tested against the fp32 oracle (tests/test_flashmla_sparse.py; on an SM90
@@ -49,9 +49,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.h20_ops import cuda_capability, dependent_launch, require_interpretable_numpy, triton_interprets
-from engine.h20_ops.checks import check_sparse_mla_args
-from engine.h20_ops.vendor import flashmla_sparse_sm90
+from ..platform import cuda_capability, dependent_launch, require_interpretable_numpy, triton_interprets
+from ..checks import check_sparse_mla_args
+from . import flashmla_sparse_gluon_sm90
 
 LOG2E = 1.0 / math.log(2.0)
 _HEADS_PER_PROGRAM = 64
@@ -203,7 +203,7 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     if s_q == 0:
         return out, max_logits, lse
     if config is None and runs_sm90_kernel(q, kv):
-        flashmla_sparse_sm90.launch(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits, lse)
+        flashmla_sparse_gluon_sm90.launch(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits, lse)
         return out, max_logits, lse
     if config is None:
         config = default_config(q.dtype)

@@ -1,9 +1,9 @@
 """TileLang SM90 sparse MLA decode over DeepSeek-V4's fp8 "MODEL1" paged KV caches: the kernel reads
-the fp8 rows itself instead of attending over a bf16 buffer that kv_quant.gather_dequant wrote first.
+the fp8 rows itself instead of attending over a bf16 buffer that kv_cache.gather_dequant wrote first.
 
 Contract: the operator of sparse_mla_sm90 (lse base 2, sink, topk_length, empty rows out 0 / lse +inf,
 any invalid filler) with the kv rows read from TWO paged MODEL1 caches instead of one bf16 tensor:
-  q [s_q, h_q, 512] bf16; cache0, cache1 [num_blocks_i, block_size, 1, 584] uint8 (kv_quant.MODEL1;
+  q [s_q, h_q, 512] bf16; cache0, cache1 [num_blocks_i, block_size, 1, 584] uint8 (kv_cache.MODEL1;
   separate tensors, any num_blocks each, the same block_size; cache1 may be None); indices [s_q, topk]
   int32: entry s in [0, n_slots0) is cache0's slot s, s in [n_slots0, n_slots0 + n_slots1) cache1's slot
   s - n_slots0 (n_slots_i = num_blocks_i * block_size); anything else (or a position past
@@ -31,7 +31,7 @@ before any global access. (TileLang then drops __restrict__ from the parameters:
 here; the bf16 kernel of sparse_mla_sm90 lost ~1% on prefill that way and does not do it.)
 
 Constraints: h_q 64 or 128, d_qk 512 (MODEL1); caches 16-byte aligned, at most 16 GiB each. Any
-ue8m0 scale kv_quant writes (up to 2^120) dequantizes exactly; scales above 2^7 (tiles with
+ue8m0 scale the fp8 quantizer writes (up to 2^120) dequantizes exactly; scales above 2^7 (tiles with
 |x| > 57344) take a second multiply.
 
 Speed (H200, docs/decode.md): with one item per SM, ~15.5 us per launch + ~5.8 us per pair of blocks
@@ -55,9 +55,10 @@ import tilelang
 import tilelang.language as T
 import torch
 
-from engine.h20_ops import kv_quant, sm_count
-from engine.h20_ops.sparse_mla_sm90 import PRELUDE as sm90_prelude
-from engine.h20_ops.sparse_mla_sm90 import (BLOCK_TOPK, COMPILE_FLAGS, D_V, GATHER_ORDER, GATHER_ORDER_NEXT_ITEM,
+from ..platform import sm_count
+from .. import kv_cache
+from .tilelang_sm90 import PRELUDE as sm90_prelude
+from .tilelang_sm90 import (BLOCK_TOPK, COMPILE_FLAGS, D_V, GATHER_ORDER, GATHER_ORDER_NEXT_ITEM,
                                             HEADS_PER_CTA, LOG2E, SM90_TARGET, _aligned_operand, _dense,
                                             consumer_parts, lengths_and_sink, require_sm90_device)
 
@@ -101,7 +102,7 @@ __device__ __forceinline__ void fp8_cp4s(D *dst, const S *base0, const S *base1,
 // ue8m0 byte), and store them as bf16: dims [0, 8) -> lo, [8, 16) -> hi (the group's two 16-byte chunks).
 // The e4m3 bits placed in a bf16 (b) read as value * 2^-120, subnormals included, so value * 2^(t - 127)
 // = b * 2^(t - 7): one exact multiply while 2^(t - 7) is a bf16 (t <= 134: scales up to 2^7); kTwo: a
-// second factor, for rows with a larger scale (kv_quant writes t up to 247, for tiles with |x| > 57344).
+// second factor, for rows with a larger scale (the fp8 quantizer writes t up to 247, for tiles with |x| > 57344).
 template <bool kTwo, typename D>
 __device__ __forceinline__ void fp8_cvt_store(const uint4 w, unsigned e, D *lo, D *hi) {
   const unsigned t = e & 0xffu;
@@ -447,7 +448,7 @@ def cache_views(cache: torch.Tensor, name: str = "cache"
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
     """(flat uint8, flat e4m3, flat bf16 views of the cache's bytes, n_slots, block_size, block_bytes16)
     for a MODEL1 cache [num_blocks, block_size, 1, 584] (uint8, or float8_e4m3fn, as from
-    kv_quant.new_fp8_kv_cache). The flat views cover the block bytes from the first block's start to
+    kv_cache.new_fp8_kv_cache). The flat views cover the block bytes from the first block's start to
     the last block's data (a block's padding past its block_size * 584 bytes is never read).
     Errors name the argument `name`."""
     if not isinstance(cache, torch.Tensor):
@@ -455,20 +456,20 @@ def cache_views(cache: torch.Tensor, name: str = "cache"
     if cache.dtype not in (torch.uint8, torch.float8_e4m3fn):
         raise TypeError(f"{name}: expected dtype torch.uint8 (or torch.float8_e4m3fn, the same bytes), "
                         f"got {cache.dtype}")
-    if cache.dim() != 4 or cache.size(2) != 1 or cache.size(3) != kv_quant.MODEL1.bytes_per_token:
-        raise ValueError(f"{name}: expected shape [num_blocks, block_size, 1, {kv_quant.MODEL1.bytes_per_token}] "
+    if cache.dim() != 4 or cache.size(2) != 1 or cache.size(3) != kv_cache.MODEL1.bytes_per_token:
+        raise ValueError(f"{name}: expected shape [num_blocks, block_size, 1, {kv_cache.MODEL1.bytes_per_token}] "
                          f"(MODEL1), got {tuple(cache.shape)}")
     num_blocks, block_size = cache.shape[:2]
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"{name}: expected num_blocks >= 1 and block_size >= 1, got shape {tuple(cache.shape)}")
-    layout = kv_quant.MODEL1
+    layout = kv_cache.MODEL1
     if cache.stride(3) != 1 or cache.stride(1) != layout.bytes_per_token:
         raise ValueError(f"{name}: expected token stride {layout.bytes_per_token} and a contiguous last dim, "
                          f"got strides {cache.stride()}")
     if num_blocks > 1 and cache.stride(0) < block_size * layout.bytes_per_token:
         raise ValueError(f"{name}: block stride {cache.stride(0)} overlaps blocks of {block_size} tokens")
     cache_u8 = cache.view(torch.uint8)
-    stride0 = cache_u8.stride(0) if num_blocks > 1 else kv_quant.block_bytes(layout, block_size)
+    stride0 = cache_u8.stride(0) if num_blocks > 1 else kv_cache.block_bytes(layout, block_size)
     # 16-byte cp.async: every token's data (block * stride0 + t * 576) must be 16-byte aligned.
     if stride0 % 16 != 0 or cache_u8.data_ptr() % 16 != 0:
         raise ValueError(f"{name}: expected a 16-byte aligned base and block stride, got data_ptr % 16 = "
@@ -487,7 +488,7 @@ def sparse_mla_fwd_sm90_paged_fp8(q: torch.Tensor, cache0: torch.Tensor, cache1:
                                        topk_length: torch.Tensor | None = None,
                                        cache_names: tuple[str, str] = ("cache0", "cache1"),
                                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [s_q, h_q, 512] bf16; cache0, cache1 [num_blocks_i, block_size, 1, 584] uint8 MODEL1 (kv_quant;
+    """q [s_q, h_q, 512] bf16; cache0, cache1 [num_blocks_i, block_size, 1, 584] uint8 MODEL1 (the fp8 quantizer;
     separate tensors, any num_blocks each, the same block_size; cache1 may be None); indices [s_q, topk] or
     [s_q, 1, topk] int32: entry s in [0, n_slots0) is cache0's slot s, s in [n_slots0, n_slots0 + n_slots1)
     is cache1's slot s - n_slots0 (n_slots_i = num_blocks_i * block_size), anything else is invalid (masked,

@@ -9,7 +9,7 @@ logical pages (row // page_size) to physical pages. The engine keeps four stores
   csa / hca   compressed entries of the ratio-4 / ratio-128 layers (one entry per `ratio` tokens);
   indexer     the lightning indexer's compressed keys of the ratio-4 layers (index_head_dim wide).
 Row storage: "auto" keeps rows in the model dtype; "fp8" stores window and compressed rows in
-DeepSeek-V4's MODEL1 fp8 layout (engine.h20_ops.kv_quant: 584 B/token per page block, NoPE e4m3
+DeepSeek-V4's MODEL1 fp8 layout (engine.h20_ops.kv_cache.fp8: 584 B/token per page block, NoPE e4m3
 with power-of-two scales, RoPE bf16) and dequantizes on read. Indexer keys stay in the model dtype
 (transformers' reference model scores unquantized keys).
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import ops
-from engine.h20_ops import kv_quant
+from engine.h20_ops import kv_cache
 
 KV_CACHE_DTYPES = ("auto", "fp8")
 
@@ -46,7 +46,7 @@ class PagedRows:
         self.dtype = dtype  # rows are returned in this dtype
         self.fp8 = fp8
         if fp8:
-            self.layers = [kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, num_pages, page_size, device)
+            self.layers = [kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, num_pages, page_size, device)
                            for _ in range(num_layers)]
         else:
             # Never-written slots are never read (invalid attention entries are not dereferenced).
@@ -170,7 +170,7 @@ class PagedRows:
         if not self.fp8 or values.size(0) == 0:
             return values.to(self.dtype)
         n = values.size(0)
-        scratch = kv_quant.new_fp8_kv_cache(kv_quant.MODEL1, -(-n // self.page_size), self.page_size, values.device)
+        scratch = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, -(-n // self.page_size), self.page_size, values.device)
         slots = torch.arange(n, device=values.device)
         ops.kv_quantize(scratch, slots, values.reshape(n, 1, self.row_dim).contiguous())
         out = torch.empty((1, n, 1, self.row_dim), dtype=self.dtype, device=values.device)

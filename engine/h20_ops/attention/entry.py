@@ -1,6 +1,6 @@
 """The engine's attention entry points: packed varlen sparse prefill and batched sparse decode.
 
-Both get their kernel only from the dispatcher (engine.h20_ops.sparse_mla.sparse_mla_fwd: one
+Both get their kernel only from the dispatcher (engine.h20_ops.attention.dispatch.sparse_mla_fwd: one
 operator, out in q's dtype, lse in BASE 2) and launch it exactly once per call.
 
 Decode adapter. The kernel has no batch axis and takes absolute rows of one kv tensor; each request
@@ -49,8 +49,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.h20_ops import dependent_launch, kv_quant, require_interpretable_numpy, sm_count, sparse_mla
-from engine.h20_ops.checks import (SUPPORTED_HEADS, check_decode_args, check_paged_decode_args, require_scale,
+from ..platform import dependent_launch, require_interpretable_numpy, sm_count
+from .. import kv_cache
+from . import dispatch
+from ..checks import (SUPPORTED_HEADS, check_decode_args, check_paged_decode_args, require_scale,
                                    require_tensor)
 
 D_V = 512
@@ -91,7 +93,7 @@ def prefill_attn_varlen_sparse(query, kv_a_with_mqa, index_topk, softmax_scale, 
     # The indices carry causality (the indexer only selects positions a query may see), so the
     # kernel runs non-causal: bounding by row index instead would mask valid rows of a packed batch
     # and collapse layers to NaN. The dispatcher checks the rest, naming this function's arguments.
-    out, _lse = sparse_mla.sparse_mla_fwd(query, kv_a_with_mqa, index_topk, softmax_scale, d_v=D_V,
+    out, _lse = dispatch.sparse_mla_fwd(query, kv_a_with_mqa, index_topk, softmax_scale, d_v=D_V,
                                           attn_sink=attn_sink, topk_length=index_length,
                                           arg_names=_PREFILL_ARG_NAMES)
     return out
@@ -123,7 +125,7 @@ def decode_attn_sparse(q, kv_windows, indices, softmax_scale, *, attn_sink=None,
                            request_stride=request_stride, q_rows=q_rows, splits=splits)
 
     def launch(q_rows, lists, sink):
-        return sparse_mla.sparse_mla_fwd(q_rows, kv_rows, lists, softmax_scale, d_v=D_V, attn_sink=sink)
+        return dispatch.sparse_mla_fwd(q_rows, kv_rows, lists, softmax_scale, d_v=D_V, attn_sink=sink)
 
     return _launch_decode(q, indices, extra_indices, attn_sink, num_splits, SPLIT_SMS_PER_PROGRAM, build, launch)
 
@@ -157,9 +159,9 @@ def decode_attn_sparse_paged_fp8(q, cache, slots, indices, softmax_scale, *, att
                                  extra_cache=None, extra_slots=None, extra_indices=None, extra_topk_length=None,
                                  num_splits: int | None = None):
     """Batched sparse decode reading paged fp8 MODEL1 caches directly (no bf16 window buffer): the
-    dispatcher's paged fp8 kernel (TileLang backend only, sparse_mla.paged_fp8_supported()).
+    dispatcher's paged fp8 kernel (TileLang backend only, dispatch.paged_fp8_supported()).
 
-    q [B, s_q, H, 512] bf16; cache [num_blocks, block_size, 1, 584] uint8 (kv_quant.MODEL1); slots [B, W]
+    q [B, s_q, H, 512] bf16; cache [num_blocks, block_size, 1, 584] uint8 (kv_cache.MODEL1); slots [B, W]
     int (request b's window row w is the cache's slot slots[b, w]; < 0: empty); indices [B, s_q, topk]
     int32, window-local (an entry is valid iff 0 <= idx < W, its position < topk_length[b] and its slot is
     a slot of the cache); extra_cache / extra_slots [B, E] / extra_indices [B, s_q, etopk] /
@@ -171,11 +173,11 @@ def decode_attn_sparse_paged_fp8(q, cache, slots, indices, softmax_scale, *, att
     Returns (out [B, s_q, H, 512] bf16, lse [B, s_q, H] fp32 base 2; +inf for empty rows)."""
     softmax_scale = require_scale("softmax_scale", softmax_scale)
     _require_decode_q(q, (torch.bfloat16,))
-    if q.size(2) not in SUPPORTED_HEADS or q.size(3) != kv_quant.MODEL1.d:
-        raise ValueError(f"q: expected shape [B, s_q, H in {SUPPORTED_HEADS}, {kv_quant.MODEL1.d}] (MODEL1 rows), "
+    if q.size(2) not in SUPPORTED_HEADS or q.size(3) != kv_cache.MODEL1.d:
+        raise ValueError(f"q: expected shape [B, s_q, H in {SUPPORTED_HEADS}, {kv_cache.MODEL1.d}] (MODEL1 rows), "
                          f"got {tuple(q.shape)}")
     check_paged_decode_args(q, cache, slots, indices, attn_sink, topk_length, extra_cache, extra_slots,
-                            extra_indices, extra_topk_length, bytes_per_token=kv_quant.MODEL1.bytes_per_token)
+                            extra_indices, extra_topk_length, bytes_per_token=kv_cache.MODEL1.bytes_per_token)
     has_extra = extra_cache is not None
     n_slots = (cache.size(0) * cache.size(1), extra_cache.size(0) * extra_cache.size(1) if has_extra else 0)
 
@@ -185,7 +187,7 @@ def decode_attn_sparse_paged_fp8(q, cache, slots, indices, softmax_scale, *, att
                            extra_slots=extra_slots, n_slots=n_slots, q_rows=q_rows, splits=splits)
 
     def launch(q_rows, lists, sink):
-        return sparse_mla.sparse_mla_paged_fp8_fwd(q_rows, cache, extra_cache, lists, softmax_scale, attn_sink=sink,
+        return dispatch.sparse_mla_paged_fp8_fwd(q_rows, cache, extra_cache, lists, softmax_scale, attn_sink=sink,
                                                    cache_names=("cache", "extra_cache"))
 
     return _launch_decode(q, indices, extra_indices, attn_sink, num_splits, PAGED_SPLIT_SMS_PER_PROGRAM, build,

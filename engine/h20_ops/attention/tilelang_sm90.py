@@ -60,8 +60,8 @@ import tilelang
 import tilelang.language as T
 import torch
 
-from engine.h20_ops import cuda_capability, sm_count
-from engine.h20_ops.checks import check_sparse_mla_args
+from ..platform import cuda_capability, sm_count
+from ..checks import check_sparse_mla_args
 
 D_V = 512
 HEADS_PER_CTA = 64

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from engine.h20_ops import sm_count
+from ..platform import sm_count
 
 HEADS_PER_CTA = 64
 BLOCK_TOPK = 64

@@ -1,8 +1,8 @@
 """fused_sample in TileLang for SM90: greedy, temperature/top-k/top-p sampling and chain speculative
 rejection sampling, one launch per batch each, one CTA per request row.
 
-Contract: engine.h20_ops.fused_sample (validation, semantics) and docs/sampling.md; it must emit
-the same tokens as engine.h20_ops.fused_sample_triton, operation for operation:
+Contract: engine.h20_ops.sampling.dispatch (validation, semantics) and docs/sampling.md; it must emit
+the same tokens as engine.h20_ops.sampling.triton_kernels, operation for operation:
 - random draws: T.rng_init(seed, position, draw) + T.rng_rand(), i.e. cuRAND Philox4x32-10
   curand_init(seed, subsequence=position, offset=draw): counter (draw // 4, 0, position lo,
   position hi), lane draw % 4 -- the word Triton's tl.philox(seed, draw // 4, 0, pos lo, pos hi)
@@ -36,7 +36,7 @@ import tilelang
 import tilelang.language as T
 import torch
 
-from engine.h20_ops.fused_sample_ref import DRAW_ACCEPT, DRAW_SAMPLE, TWO_POW_32
+from .reference import DRAW_ACCEPT, DRAW_SAMPLE, TWO_POW_32
 
 THREADS = 1024  # one CTA per row; its passes run 1.8x faster than with 256 threads (docs/sampling.md)
 BLOCK_V = 1024

@@ -1,8 +1,8 @@
 """fused_sample in Triton: greedy, temperature/top-k/top-p sampling and chain speculative rejection
 sampling, one launch per batch each, one program per request row.
 
-Contract: engine.h20_ops.fused_sample (which validates arguments); semantics and the random stream
-in docs/sampling.md; oracle: engine.h20_ops.fused_sample_ref (must agree token for token).
+Contract: engine.h20_ops.sampling.dispatch (which validates arguments); semantics and the random stream
+in docs/sampling.md; oracle: engine.h20_ops.sampling.reference (must agree token for token).
 Numerics: logits (fp32 or bf16) are read as fp32; weights are int64 fixed point (2^32 = the row
 maximum) so every mass is an exact integer sum; acceptance and residual probabilities use fp64
 products and IEEE divisions only, written so that no multiply-add can be contracted; the same
@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.h20_ops import fused_sample_ref, triton_interprets
+from ..platform import triton_interprets
+from . import reference
 
 # Under the CPU interpreter every block op is numpy work: a small block keeps tests fast and still
 # exercises the multi-block loops.
@@ -37,8 +38,8 @@ WEIGHT_END = tl.constexpr(4294967297)  # 2^32 + 1: one past the largest weight
 # and a bracket pass against the weight range's 33 and a final mass pass; a wider span (32-bit keys from
 # -inf, or across 0) was measured no faster than bisecting the weights (docs/sampling.md)
 KEY_SPAN_SEARCHED = tl.constexpr(1 << 30)
-DRAW_SAMPLE = tl.constexpr(fused_sample_ref.DRAW_SAMPLE)
-DRAW_ACCEPT = tl.constexpr(fused_sample_ref.DRAW_ACCEPT)
+DRAW_SAMPLE = tl.constexpr(reference.DRAW_SAMPLE)
+DRAW_ACCEPT = tl.constexpr(reference.DRAW_ACCEPT)
 
 
 @triton.jit

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.h20_ops.checks import check_decode_args, check_sparse_mla_args, require_tensor
+from ..checks import check_decode_args, check_sparse_mla_args, require_tensor
 
 _ROWS_PER_CHUNK = 64
 

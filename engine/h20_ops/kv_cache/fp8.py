@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.h20_ops import dependent_launch
-from engine.h20_ops.checks import require_same_device, require_tensor
+from ..platform import dependent_launch
+from ..checks import require_same_device, require_tensor
 
 FP8_MAX = 448.0
 MIN_SCALE_EXP = -13  # ceil(log2(1e-4)): the 1e-4 floor of amax / 448

@@ -18,8 +18,8 @@ built with fast math) and top_p must not be NaN. Values are not checked here (on
 sync per call); engine.runner.SamplingParams checks them per request.
 Semantics, the random-stream mapping and the test thresholds: docs/sampling.md.
 
-Backends: `tilelang` (engine.h20_ops.fused_sample_sm90), `triton`
-(engine.h20_ops.fused_sample_triton) and `ref` (engine.h20_ops.fused_sample_ref, numpy on the CPU);
+Backends: `tilelang` (engine.h20_ops.sampling.tilelang_sm90), `triton`
+(engine.h20_ops.sampling.triton_kernels) and `ref` (engine.h20_ops.sampling.reference, numpy on the CPU);
 all consume the same stream and agree token for token. Unset `backend` resolves once per process
 as the sparse MLA dispatcher's auto mode does (engine.h20_ops.backend_select).
 """
@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.h20_ops import triton_interprets
-from engine.h20_ops.backend_select import BackendSelector, import_tilelang_module_or_explain
-from engine.h20_ops.checks import require_last_dim_contiguous, require_same_device, require_tensor
-from engine.h20_ops.fused_sample_ref import DRAW_DRAFT, DRAW_SAMPLE, sampling_scale
+from ..platform import triton_interprets
+from ..backend_select import BackendSelector, import_tilelang_module_or_explain
+from ..checks import require_last_dim_contiguous, require_same_device, require_tensor
+from .reference import DRAW_DRAFT, DRAW_SAMPLE, sampling_scale
 
-TILELANG_KERNEL_MODULE = "engine.h20_ops.fused_sample_sm90"
+TILELANG_KERNEL_MODULE = f"{__package__}.tilelang_sm90"
 BACKENDS = ("ref", "triton", "tilelang")
 MAX_VOCAB = 2**31 - 2**16  # the kernels' int32 block loops step past V by up to one block
 LOGIT_DTYPES = (torch.float32, torch.bfloat16)
@@ -55,12 +55,12 @@ def _implementation(backend: str | None, logits_name: str, logits: torch.Tensor)
     elif backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)} or None, got {backend!r}")
     if backend == "ref":
-        from engine.h20_ops import fused_sample_ref as impl
+        from . import reference as impl
     elif backend == "triton":
         if not (logits.is_cuda or triton_interprets()):
             raise ValueError(f"{logits_name}: expected a CUDA tensor for the triton backend (or Triton's interpreter: "
                              f"TRITON_INTERPRET=1), got device {logits.device}")
-        from engine.h20_ops import fused_sample_triton as impl
+        from . import triton_kernels as impl
     else:
         impl = import_tilelang_module_or_explain(TILELANG_KERNEL_MODULE, "fused_sample backend 'tilelang'")
         if not logits.is_cuda:

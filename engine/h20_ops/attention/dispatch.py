@@ -1,6 +1,6 @@
 """The sparse MLA dispatcher: chooses the backend once per process and adapts its conventions.
 
-Backends: `tilelang` (engine.h20_ops.sparse_mla_sm90, base-2 lse), `triton`
+Backends: `tilelang` (engine.h20_ops.attention.tilelang_sm90, base-2 lse), `triton`
 (engine.h20_ops.vendor.flashmla_sparse, FlashMLA contract, natural-log lse) and `ref` (the float32
 oracle). DEEPINFER_SPARSE_MLA_BACKEND picks one; unset means auto (engine.h20_ops.backend_select:
 tilelang if its kernel module imports, else triton; triton without CUDA).
@@ -15,14 +15,14 @@ import math
 
 import torch
 
-from engine import config
-from engine.h20_ops.backend_select import BackendSelector, TileLangUnavailableError  # noqa: F401 (re-export)
-from engine.h20_ops.backend_select import import_tilelang_module_or_explain
-from engine.h20_ops.checks import check_sparse_mla_args
+from ... import config
+from ..backend_select import BackendSelector, TileLangUnavailableError  # noqa: F401 (re-export)
+from ..backend_select import import_tilelang_module_or_explain
+from ..checks import check_sparse_mla_args
 
 LOG2E = 1.0 / math.log(2.0)  # natural log -> base 2: multiply by log2(e) = 1.4427
-TILELANG_KERNEL_MODULE = "engine.h20_ops.sparse_mla_sm90"
-TILELANG_PAGED_FP8_MODULE = "engine.h20_ops.sparse_mla_sm90_paged_fp8"
+TILELANG_KERNEL_MODULE = f"{__package__}.tilelang_sm90"  # relative: the kernel repo renames the package
+TILELANG_PAGED_FP8_MODULE = f"{__package__}.tilelang_sm90_paged_fp8"
 
 _selector = BackendSelector("sparse MLA", TILELANG_KERNEL_MODULE, config.sparse_mla_backend,
                             config.SPARSE_MLA_BACKEND.name)
@@ -35,14 +35,14 @@ def resolve_backend() -> str:
 
 
 def _run_ref(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
-    from engine.h20_ops.sparse_mla_ref import sparse_mla_prefill_ref
+    from .reference import sparse_mla_prefill_ref
 
     res = sparse_mla_prefill_ref(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
     return res.out.to(q.dtype), res.lse * LOG2E
 
 
 def _run_triton(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
-    from engine.h20_ops.vendor.flashmla_sparse import flash_mla_sparse_fwd
+    from ..vendor.flashmla_sparse import flash_mla_sparse_fwd
 
     out, _max_logits, lse_natural = flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
     return out, lse_natural * LOG2E  # +inf (empty rows) stays +inf
@@ -85,13 +85,13 @@ def sparse_mla_fwd(q, kv, indices, sm_scale, *, d_v: int = 512, attn_sink=None, 
 
 def paged_fp8_supported(backend: str | None = None) -> bool:
     """Whether the backend has a kernel reading paged fp8 MODEL1 caches directly (TileLang only: the
-    others attend over rows that kv_quant.gather_dequant wrote into a bf16 buffer first)."""
+    others attend over rows that kv_cache.gather_dequant wrote into a bf16 buffer first)."""
     return _backend(backend) == "tilelang"
 
 
 def sparse_mla_paged_fp8_fwd(q, cache0, cache1, slot_indices, sm_scale, *, attn_sink=None, topk_length=None,
                              backend: str | None = None, cache_names: tuple[str, str] = ("cache0", "cache1")):
-    """Sparse MLA forward over two paged fp8 MODEL1 caches (engine.h20_ops.sparse_mla_sm90_paged_fp8).
+    """Sparse MLA forward over two paged fp8 MODEL1 caches (engine.h20_ops.attention.tilelang_sm90_paged_fp8).
     q [s_q, h_q, 512] bf16; cache0, cache1 (or None) [num_blocks, block_size, 1, 584] uint8;
     slot_indices [s_q, topk] int32: s < n_slots0 is cache0's slot s, n_slots0 <= s < n_slots0 + n_slots1
     cache1's slot s - n_slots0, anything else invalid. Returns (out [s_q, h_q, 512] bf16, lse base 2).
@@ -99,7 +99,7 @@ def sparse_mla_paged_fp8_fwd(q, cache0, cache1, slot_indices, sm_scale, *, attn_
     backend = _backend(backend)
     if not paged_fp8_supported(backend):
         raise ValueError(f"backend: the paged fp8 kernel exists for tilelang only, got {backend!r} "
-                         "(gather the rows with kv_quant.gather_dequant and call sparse_mla_fwd)")
+                         "(gather the rows with kv_cache.gather_dequant and call sparse_mla_fwd)")
     module = import_tilelang_module_or_explain(TILELANG_PAGED_FP8_MODULE, "sparse MLA backend 'tilelang'")
     return module.sparse_mla_fwd_sm90_paged_fp8(q, cache0, cache1, slot_indices, float(sm_scale),
                                                 attn_sink=attn_sink, topk_length=topk_length, cache_names=cache_names)
