@@ -53,7 +53,8 @@ from engine import config, ops
 from engine.h20_ops import sampling
 from engine.h20_ops.attention import dispatch
 from engine.kv_store import KV_CACHE_DTYPES, PagedRows, RequestState
-from engine.model.deepseek_v4 import CSA, HCA, DeepseekV4Runtime, NextNRuntime, SeqStep, Stores
+from engine.model.deepseek_v4 import DeepseekV4Runtime, NextNRuntime, SeqStep, Stores
+from engine.model.layer_types import CSA, HCA
 from engine.model.hf_oracle import load_hf_model
 from engine.model.nextn import load_nextn_layer
 
@@ -510,6 +511,7 @@ class Engine:
             "decode_tokens_per_s": st["decode_tokens"] / st["decode_seconds"] if st["decode_seconds"] else None,
             "op_fallbacks": ops.fallback_counts(),
             "sparse_mla_backend": dispatch.resolve_backend(),
+            "sparse_mla_kernels": dispatch.kernel_choices(),
             "kv_cache_dtype": self.kv_cache_dtype,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),

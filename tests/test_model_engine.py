@@ -254,15 +254,15 @@ def test_engine_fp8_kv_cache_holds_the_reference_round_trip(checkpoint, prompts,
     _all_pages_free(engine)
 
     quantized = {"window", "csa", "hca"}
-    write, roundtrip = PagedRows.write, PagedRows.roundtrip
+    write_at, roundtrip = PagedRows.write_at, PagedRows.roundtrip
 
-    def write_rounded(self, layer, rid, first_row, values):
-        write(self, layer, rid, first_row, _fp8_round_trip(values) if self.name in quantized else values)
+    def write_rounded(self, layer, slots, values):  # every store write goes through write_at
+        write_at(self, layer, slots, _fp8_round_trip(values) if self.name in quantized else values)
 
     def roundtrip_rounded(self, values):
         return roundtrip(self, _fp8_round_trip(values) if self.name in quantized else values)
 
-    monkeypatch.setattr(PagedRows, "write", write_rounded)
+    monkeypatch.setattr(PagedRows, "write_at", write_rounded)
     monkeypatch.setattr(PagedRows, "roundtrip", roundtrip_rounded)
     rounded = Engine(checkpoint).generate([Request(n, prompts[n][0], 4) for n in names])
     for name, completion, expected in zip(names, completions, rounded):

@@ -1,10 +1,10 @@
 """Sparse MLA prefill in pure Triton, implementing FlashMLA's `flash_mla_sparse_fwd` contract.
 
-Two kernels, chosen by dtype, device and layout before launching (never as a fallback after a
-failure): bf16 on an SM90 GPU with 16-byte aligned q / kv pointers and row strides that are multiples
-of 16 elements runs the warp-specialized Gluon kernel of flashmla_sparse_gluon_sm90.py; float32, other GPUs,
-Triton's interpreter (CPU tests) and other layouts (see runs_sm90_kernel) run the portable tl kernel
-below. Both implement the
+Two kernels; the caller names the one to run (the dispatcher, engine.h20_ops.attention.dispatch,
+chooses by dtype, device and layout before launching, never as a fallback after a failure): the
+warp-specialized Gluon kernel of flashmla_sparse_gluon_sm90.py (bf16 on an SM90 GPU with 16-byte
+aligned q / kv pointers and row strides that are multiples of 16 elements), and the portable tl
+kernel below (float32, other GPUs, Triton's interpreter for the CPU tests, any layout). Both implement the
 contract stated here and are tested against the fp32 oracle (tests/test_flashmla_sparse.py; on an SM90
 GPU both kernels). On SM90 both use programmatic dependent launch: they wait for the previous kernel of
 the stream (griddepcontrol.wait) before touching memory, so their launch overlaps that kernel's end.
@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..platform import cuda_capability, dependent_launch, require_interpretable_numpy, triton_interprets
+from ..platform import dependent_launch, require_interpretable_numpy, triton_interprets
 from ..checks import check_sparse_mla_args
 from . import flashmla_sparse_gluon_sm90
 
@@ -170,25 +170,17 @@ def default_config(dtype: torch.dtype) -> KernelConfig:
     return KernelConfig(block_k=64, num_warps=8, num_stages=2)
 
 
-def runs_sm90_kernel(q: torch.Tensor, kv: torch.Tensor) -> bool:
-    """Whether flash_mla_sparse_fwd(q, kv, ...) without `config` runs the Gluon SM90 kernel: bf16 on an
-    SM90 GPU, q / kv data pointers 16-byte aligned and their row strides multiples of 16 elements (what
-    Triton's JIT specializes on; the kernel reads rows by 16-byte cp.async, and without that guarantee
-    it does not compile). Other layouts, which the contract allows, run the portable kernel."""
-    if _INTERPRET or q.dtype != torch.bfloat16 or not q.is_cuda:
-        return False
-    if cuda_capability(q.device) != (9, 0):
-        return False
-    rows_aligned = all(stride % 16 == 0 for stride in (q.stride(0), q.stride(1), kv.stride(0)))
-    return rows_aligned and q.data_ptr() % 16 == 0 and kv.data_ptr() % 16 == 0
+KERNELS = ("gluon_sm90", "portable")
 
 
 def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                          d_v: int = 512, attn_sink: torch.Tensor | None = None,
-                         topk_length: torch.Tensor | None = None, *, config: KernelConfig | None = None):
+                         topk_length: torch.Tensor | None = None, *, kernel: str,
+                         config: KernelConfig | None = None):
     """FlashMLA's sparse prefill forward (see the module header). Returns (out, max_logits, lse);
-    lse natural log. `config` runs the portable kernel with these launch parameters (benchmarks, and
-    tests of that kernel on an SM90 GPU)."""
+    lse natural log. kernel: "gluon_sm90" or "portable", as the dispatcher chose it
+    (engine.h20_ops.attention.dispatch.prefill_kernel); `config`: the portable kernel's launch
+    parameters (benchmarks), default default_config(q.dtype)."""
     shape, indices = check_sparse_mla_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
                                            q_dtypes=(torch.bfloat16, torch.float32))
     if not (q.is_cuda or _INTERPRET):
@@ -202,7 +194,11 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
     if s_q == 0:
         return out, max_logits, lse
-    if config is None and runs_sm90_kernel(q, kv):
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {', '.join(KERNELS)}, got {kernel!r}")
+    if kernel == "gluon_sm90":
+        if config is not None:
+            raise ValueError("config: the launch parameters of the portable kernel, given with kernel='gluon_sm90'")
         flashmla_sparse_gluon_sm90.launch(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits, lse)
         return out, max_logits, lse
     if config is None:
