@@ -29,7 +29,7 @@ Columns (times: median of triton.testing.do_bench, L2 flushed before each run):
 --pair-sweep (TileLang): instead, the paged fp8 kernel alone (graph replay) at s_q 1 and the largest
   batch, for 1 to 10 pairs of 64-entry blocks, with the rows read and with every entry masked by
   topk_length = 0 (the same work without row reads): the slopes are the cost of a pair with and
-  without its loads, the intercepts the cost of a launch besides its pairs (docs/decode.md).
+  without its loads, the intercepts the cost of a launch besides its pairs (docs/lab/decode.md).
 Usage: python scripts/bench_decode.py [--backend triton|tilelang] [--batches 1,8,64,128] [--heads 64|128]
            [--extra 512]   (needs CUDA)
        python scripts/bench_decode.py --pair-sweep [--batches 128]   (needs CUDA and TileLang)

@@ -32,7 +32,7 @@ FP32_LOGITS_ATOL = 2e-3  # logits are O(10); fp32 summation-order differences st
 # Measured on a CPU (2026-11-30): a relative change of 1e-6 / 1e-5 in the cached values before
 # rounding moves the emulation's logits by up to 0.12 / 0.38; the engine against the emulation
 # differs by 0.005-0.008 on a development machine's CPU and by 0.059 on the H200 machine's CPU; the
-# quantization itself moves them by 2.2 and 2.8 (docs/tests.md). The fp8 path's exactness is tested
+# quantization itself moves them by 2.2 and 2.8 (docs/lab/tests.md). The fp8 path's exactness is tested
 # engine against engine, bit for bit.
 FP8_LOGITS_ATOL = 0.5
 

@@ -9,7 +9,7 @@ contract stated here and are tested against the fp32 oracle (tests/test_flashmla
 GPU both kernels). On SM90 both use programmatic dependent launch: they wait for the previous kernel of
 the stream (griddepcontrol.wait) before touching memory, so their launch overlaps that kernel's end.
 
-Contract (FlashMLA since 2026-01; ../shared/reference/sparse_mla_contract.md):
+Contract (FlashMLA since 2026-01; docs/contract.md):
   flash_mla_sparse_fwd(q [s_q, h_q, d_qk], kv [s_kv, 1, d_qk], indices [s_q, 1, topk] or [s_q, topk]
   int32, sm_scale, d_v=512, attn_sink [h_q] fp32 | None, topk_length [s_q] int32 | None)
   -> (out [s_q, h_q, d_v] in q's dtype, max_logits [s_q, h_q] fp32, lse [s_q, h_q] fp32).
@@ -26,7 +26,7 @@ each of the two warpgroups computes half of a block's Q.K^T columns, and each bl
 loaded one iteration ahead of its gather. tl.dot takes bf16 operands with fp32 accumulators (P is
 rounded to bf16 for P.V, as in FlashMLA); the online softmax runs in the exp2 domain with
 sm_scale * log2(e) folded into the scores, and lse / max_logits are converted back to natural log at
-the end. Speed and tuning: docs/perf.md, docs/triton_kernel_notes.md.
+the end. Speed: docs/performance.md; tuning: docs/lab/prefill.md, docs/lab/triton_kernel_notes.md.
 
 Constraints: h_q 64 or 128, d_qk 512 or 576, d_v 512, h_kv 1, topk >= 1 (any: the last block is
 masked, callers pad nothing), any s_q (1-D grid; 64-bit offsets), last dims contiguous (leading dims
@@ -163,7 +163,7 @@ class KernelConfig:
 
 
 def default_config(dtype: torch.dtype) -> KernelConfig:
-    """The fastest configuration measured on an H200 (docs/perf.md). float32 is the validation
+    """The fastest configuration measured on an H200 (docs/lab/prefill.md). float32 is the validation
     mode: small blocks so that it fits shared memory; its speed does not matter."""
     if dtype == torch.float32:
         return KernelConfig(block_k=16, num_warps=8, num_stages=1)
