@@ -4,7 +4,7 @@
 # codes ends the output, and the script exits nonzero if any step failed.
 #   bash scripts/gpu_checks.sh LOGDIR STEP [STEP...]
 # steps: compile tests tests-no-tilelang engine memcheck ab bench sweep decode gather e2e e2e-rank-per-gpu
-#        e2e-fp8 e2e-fp32 e2e-nextn e2e-sampled sample
+#        e2e-fp8 e2e-fp32 e2e-nextn e2e-sampled sample e2e-hub
 # A TileLang bundle at .tilelang_bundle/*.tar.xz (scripts/tilelang_bundle.sh) is installed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,6 +78,15 @@ for s in "$@"; do
                 bash scripts/h20_e2e_report.sh --compare --temperature 0.8 --top-p 0.9 --seed 1 \
                 --json "$logdir/e2e_sampled.json" ;;
         sample) step ab_fused_sample 450 python3 scripts/ab_fused_sample.py ;;
+        # the report with the hub kernel source: this checkout's kernels built as a kernel repository, put
+        # into an offline cache with a lock, verified and loaded by every rank under HF_HUB_OFFLINE=1
+        # (needs kernels 0.17.2 and transformers 5.18-5.21.x: their wheels in .wheels_e2e/ on an older image)
+        e2e-hub) step e2e_hub 500 bash -c 'set -e; d=/tmp/kernel_hub; rm -rf "$d"
+                python3 scripts/build_kernel_repo.py "$d/repo"
+                python3 scripts/kernel_offline_cache.py "$d/repo" --lock "$d/kernels.lock" --cache "$d/cache"
+                HF_HUB_OFFLINE=1 KERNELS_CACHE="$d/cache" DEEPINFER_KERNEL_SOURCE=hub DEEPINFER_OPS_STRICT=1 \
+                DEEPINFER_KERNEL_REPO=deepinfer/sparse-mla@v1 DEEPINFER_KERNEL_LOCK="$d/kernels.lock" \
+                bash scripts/h20_e2e_report.sh --compare --json "$0/e2e_hub.json"' "$logdir" ;;
         *) echo "unknown step $s" >&2; exit 2 ;;
     esac
 done
