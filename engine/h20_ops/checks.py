@@ -42,6 +42,21 @@ def require_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {t.stride()}")
 
 
+def check_out(name: str, out, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    """A caller's output buffer: a contiguous tensor of exactly `shape` and `dtype` on `device` (the
+    kernels write it in place)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype} (q's), got {out.dtype}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(out.shape)}")
+    if out.device != device:
+        raise ValueError(f"{name}: expected device {device} (same as q), got {out.device}")
+    if not out.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {out.stride()}")
+
+
 def require_scale(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a python float, got {type(value).__name__}")

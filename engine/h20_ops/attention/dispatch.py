@@ -128,22 +128,34 @@ def prefill_kernel(q: torch.Tensor, kv: torch.Tensor, backend: str | None = None
     return _record(KernelChoice("prefill", "triton_portable", unsupported))
 
 
-def run_prefill_kernel(kernel: str, q, kv, indices, sm_scale: float, d_v: int, attn_sink, topk_length):
-    """Runs one prefill kernel on validated arguments -> (out in q's dtype, lse fp32 base 2)."""
+_TRITON_PREFILL_KERNELS = {"triton_gluon_sm90": "gluon_sm90", "triton_portable": "portable"}
+
+
+def run_prefill_kernel(kernel: str, q, kv, indices, sm_scale: float, d_v: int, attn_sink, topk_length,
+                       out: torch.Tensor | None = None):
+    """Runs one prefill kernel on validated arguments -> (out in q's dtype, lse fp32 base 2). out: a
+    validated contiguous [s_q, h_q, d_v] buffer for the output (the Triton kernels write it; the
+    TileLang kernel and the oracle allocate their own, copied into it), None: a new one."""
     if kernel == "ref":
         from .reference import sparse_mla_prefill_ref
 
         res = sparse_mla_prefill_ref(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
-        return res.out.to(q.dtype), res.lse * LOG2E
+        return _into(out, res.out.to(q.dtype)), res.lse * LOG2E
     if kernel == "tilelang_sm90":
         module = import_tilelang_module_or_explain(TILELANG_KERNEL_MODULE, "sparse MLA backend 'tilelang'")
-        return module.sparse_mla_fwd_sm90(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+        kernel_out, lse = module.sparse_mla_fwd_sm90(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+        return _into(out, kernel_out), lse
     from ..vendor.flashmla_sparse import flash_mla_sparse_fwd
 
-    triton_kernel = {"triton_gluon_sm90": "gluon_sm90", "triton_portable": "portable"}[kernel]
     out, _max_logits, lse_natural = flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
-                                                         kernel=triton_kernel)
+                                                         kernel=_TRITON_PREFILL_KERNELS[kernel], out=out)
     return out, lse_natural * LOG2E  # +inf (empty rows) stays +inf
+
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """result, or result copied into the caller's buffer `out` (a kernel without an output argument)."""
+    return result if out is None else out.copy_(result)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,10 +204,13 @@ def _buffer_kernel(q_dtype: torch.dtype, device: torch.device, backend: str) -> 
 
 
 def run_paged_fp8_kernel(kernel: str, q, cache0, cache1, slot_indices, sm_scale: float, attn_sink, topk_length,
-                         cache_names: tuple[str, str]):
-    """One paged fp8 kernel launch on validated arguments -> (out bf16, lse fp32 base 2)."""
+                         cache_names: tuple[str, str], out: torch.Tensor | None = None):
+    """One paged fp8 kernel launch on validated arguments -> (out bf16, lse fp32 base 2). out: a validated
+    contiguous buffer for the output (the TileLang kernel allocates its own, copied into it), None: a new one."""
     if kernel != "tilelang_sm90_paged_fp8":
         raise ValueError(f"kernel: no paged fp8 kernel named {kernel!r}")
     module = import_tilelang_module_or_explain(TILELANG_PAGED_FP8_MODULE, "sparse MLA backend 'tilelang'")
-    return module.sparse_mla_fwd_sm90_paged_fp8(q, cache0, cache1, slot_indices, sm_scale, attn_sink=attn_sink,
-                                                topk_length=topk_length, cache_names=cache_names)
+    kernel_out, lse = module.sparse_mla_fwd_sm90_paged_fp8(q, cache0, cache1, slot_indices, sm_scale,
+                                                           attn_sink=attn_sink, topk_length=topk_length,
+                                                           cache_names=cache_names)
+    return _into(out, kernel_out), lse
