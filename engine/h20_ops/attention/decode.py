@@ -172,11 +172,12 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
     rows = batch * s_q
     q_rows = q.reshape(rows, h_q, q.size(3))  # a view whenever q's strides allow
     out_rows = None if out is None else out.view(rows, h_q, D_V)
+    cache_names = (n("cache"), n("extra_cache"))
     if extra_cache is None and plan.splits == 1 and plan.path != "gathered":
         # one cache, no split: the kernel takes the slot ids as they are (it masks ids outside the cache)
         lengths = None if topk_length is None else topk_length.repeat_interleave(s_q)
         out, lse = _attend(plan, q_rows, cache, None, indices.reshape(rows, topk), sm_scale, attn_sink, lengths,
-                           out_rows)
+                           out_rows, cache_names)
         return AttentionOutput(out.view(batch, s_q, h_q, D_V), lse.view(batch, s_q, h_q))
     lists, slots, q_split = build_decode_lists(indices, topk_length, main.n_slots, extra_indices, extra_topk_length,
                                                0 if extra is None else extra.n_slots, plan.list_len,
@@ -185,19 +186,22 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
     kernel_lists = lists.view(rows * plan.splits, plan.chunk)
     kv = _gather_rows(cache, extra_cache, slots, topk, q.dtype, backend) if plan.path == "gathered" else cache
     if plan.splits == 1:
-        out, lse = _attend(plan, kernel_q, kv, extra_cache, kernel_lists, sm_scale, attn_sink, None, out_rows)
+        out, lse = _attend(plan, kernel_q, kv, extra_cache, kernel_lists, sm_scale, attn_sink, None, out_rows,
+                           cache_names)
     else:
-        parts, lse_parts = _attend(plan, kernel_q, kv, extra_cache, kernel_lists, sm_scale, None, None, None)
+        parts, lse_parts = _attend(plan, kernel_q, kv, extra_cache, kernel_lists, sm_scale, None, None, None,
+                                   cache_names)
         out, lse = merge_splits(parts, lse_parts, plan.splits, attn_sink, q.dtype, out_rows)
     return AttentionOutput(out.view(batch, s_q, h_q, D_V), lse.view(batch, s_q, h_q))
 
 
-def _attend(plan: DecodePlan, q_rows, kv, extra_cache, lists, sm_scale, attn_sink, lengths, out):
+def _attend(plan: DecodePlan, q_rows, kv, extra_cache, lists, sm_scale, attn_sink, lengths, out, cache_names):
     """The plan's one attention launch: the paged fp8 kernel over (kv, extra_cache), or the prefill kernel
-    the dispatcher chooses for these very tensors over dense rows kv; out: its output buffer or None."""
+    the dispatcher chooses for these very tensors over dense rows kv; out: its output buffer or None;
+    cache_names: the caller's names of the two caches (the paged kernel's layout errors)."""
     if plan.path == "paged_fp8":
         return dispatch.run_paged_fp8_kernel(plan.kernel, q_rows, kv, extra_cache, lists, sm_scale, attn_sink,
-                                             lengths, cache_names=("cache", "extra_cache"), out=out)
+                                             lengths, cache_names=cache_names, out=out)
     kernel = dispatch.prefill_kernel(q_rows, kv, plan.backend).kernel
     return dispatch.run_prefill_kernel(kernel, q_rows, kv, lists, sm_scale, D_V, attn_sink, lengths, out)
 
