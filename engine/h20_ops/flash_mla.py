@@ -164,6 +164,9 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
         if extra_indices_in_kvcache is None:
             raise ValueError("extra_indices_in_kvcache: required with extra_k_cache")
         _require_ndim("extra_indices_in_kvcache", extra_indices_in_kvcache, 3)
+        if extra_k_cache.size(3) != k_cache.size(3):
+            raise ValueError(f"extra_k_cache: expected k_cache's layout ({k_cache.size(3)} bytes per token), got "
+                             f"shape {tuple(extra_k_cache.shape)}")
     elif extra_indices_in_kvcache is not None:
         raise ValueError("extra_indices_in_kvcache: given without extra_k_cache")
     if softmax_scale is None:
@@ -171,29 +174,29 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     shapes = DecodeShapes(*q.shape, q.dtype, q.device, k_cache.size(3), k_cache.size(1), indices.size(2),
                           None if extra_k_cache is None else extra_k_cache.size(1),
                           None if extra_k_cache is None else extra_indices_in_kvcache.size(2))
-    if meta.plan is None:
-        meta.plan = _plan(q, k_cache, indices, extra_k_cache, extra_indices_in_kvcache)
-        meta.config = shapes
+    plan = meta.plan
+    if plan is None:
+        plan = _plan(q, k_cache, indices, extra_k_cache, extra_indices_in_kvcache)
     elif shapes != meta.config:
         differ = ", ".join(f"{f} {getattr(meta.config, f)} -> {getattr(shapes, f)}"
                            for f in DecodeShapes.__dataclass_fields__ if getattr(meta.config, f) != getattr(shapes, f))
         raise ValueError(f"tile_scheduler_metadata: its plan was made for other shapes ({differ}); use one "
                          f"get_mla_metadata() object per layer type and set of shapes")
-    result = sparse_mla_decode(q, k_cache, indices, softmax_scale, plan=meta.plan, attn_sink=attn_sink,
+    result = sparse_mla_decode(q, k_cache, indices, softmax_scale, plan=plan, attn_sink=attn_sink,
                                topk_length=topk_length, extra_cache=extra_k_cache,
                                extra_indices=extra_indices_in_kvcache, extra_topk_length=extra_topk_length, out=out,
                                names=DECODE_ARG_NAMES)
+    if meta.plan is None:  # kept once a call with it has passed validation
+        meta.plan, meta.config = plan, shapes
     return result.out, result.lse_log2.mul_(LN2).transpose(1, 2)  # the lse tensor is this call's own
 
 
 def _plan(q, k_cache, indices, extra_k_cache, extra_indices) -> DecodePlan:
     """The plan of a metadata object's first call, its caches validated first (errors in FlashMLA's names)."""
-    main = check_decode_cache("k_cache", k_cache, q, LAYOUTS)
+    check_decode_cache("k_cache", k_cache, q, LAYOUTS)
     extra_topk = 0
     if extra_k_cache is not None:
-        extra = check_decode_cache("extra_k_cache", extra_k_cache, q, LAYOUTS)
-        if extra.layout is not main.layout:
-            raise ValueError(f"extra_k_cache: expected k_cache's layout ({main.layout.name}), got {extra.layout.name}")
+        check_decode_cache("extra_k_cache", extra_k_cache, q, LAYOUTS)
         extra_topk = extra_indices.size(2)
     return plan_sparse_decode(k_cache, batch=q.size(0), s_q=q.size(1), h_q=q.size(2), topk=indices.size(2),
                               q_dtype=q.dtype, extra_cache=extra_k_cache, extra_topk=extra_topk)
@@ -212,4 +215,7 @@ def _fp8_bytes(name: str, cache) -> torch.Tensor:
     if cache.dtype not in FP8_CACHE_DTYPES:
         raise TypeError(f"{name}: expected a paged fp8 cache (dtype uint8, int8 or float8_e4m3fn: the bytes of "
                         f"MODEL1 584 B / V3.2 656 B tokens), got {cache.dtype}")
+    if cache.size(3) not in (layout.bytes_per_token for layout in LAYOUTS):
+        raise ValueError(f"{name}: expected shape [num_blocks, page_block_size, 1, bytes per token: "
+                         f"{' or '.join(f'{l.bytes_per_token} ({l.name})' for l in LAYOUTS)}], got {tuple(cache.shape)}")
     return cache.view(torch.uint8) if cache.dtype == torch.int8 else cache
