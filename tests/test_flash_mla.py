@@ -308,6 +308,16 @@ def test_bad_prefill_inputs_name_the_argument():
             flash_mla.flash_mla_sparse_fwd(**args)
 
 
+def test_readme_example_runs():
+    """README's "Using this from SGLang or vLLM on Hopper" example, as written there."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Using this from SGLang or vLLM on Hopper", 1)[1].split("\n## ", 1)[0]
+    example = section.split("A decode step and a prefill call", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(example, "README.md", "exec"), {})
+
+
 def test_public_names():
     assert set(flash_mla.__all__) == {"FlashMLASchedMeta", "flash_mla_sparse_fwd", "flash_mla_with_kvcache",
                                       "get_mla_metadata"}
@@ -442,3 +452,4 @@ def test_gpu_decode_replays_in_a_cuda_graph(monkeypatch, backend, plan_in_captur
     torch.cuda.synchronize()
     eager_out, eager_lse = run_decode(new)
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+
