@@ -325,7 +325,8 @@ def prefill_case(seed: int, *, s_q: int, s_kv: int, h_q: int, topk: int, d_qk: i
 
 
 def _paged_scope(gen: torch.Generator, *, batch: int, s_q: int, s_kv: int, topk: int, block_size: int, layout,
-                 varlen: bool, zero_seqlen: bool, all_invalid: bool, lengths: bool, fillers: bool, device):
+                 varlen: bool, zero_seqlen: bool, all_invalid: bool, lengths: bool, fillers: bool, oracle_rows: bool,
+                 device):
     """One cache of a FlashMLA decode case: each request's s_kv tokens (varlen: max(N(s_kv, s_kv / 2), s_q);
     zero_seqlen: about half the requests 0) on randomly placed pages of `block_size` tokens, per query
     row min(topk, seqlen) distinct random tokens of its request as flat slot ids (block * block_size +
@@ -342,11 +343,12 @@ def _paged_scope(gen: torch.Generator, *, batch: int, s_q: int, s_kv: int, topk:
     block_table = torch.randperm(num_blocks, generator=gen, device=device).view(batch, pages)
     cache = kv_cache.new_fp8_kv_cache(layout, num_blocks, block_size, device)
     n_slots = num_blocks * block_size
-    values = _device_normal(gen, (n_slots, 1, layout.d), device)
     quantize = kv_cache.quantize_into_cache if cache.is_cuda else kv_cache.quantize_into_cache_ref
-    quantize(cache, torch.arange(n_slots, device=device), values)
-    del values
-    rows = kv_cache.dequantize_from_cache_ref(cache, torch.arange(n_slots, device=device), torch.float32)
+    for start in range(0, n_slots, 1 << 20):  # chunks bound the float32 staging of big caches
+        chunk = torch.arange(start, min(start + (1 << 20), n_slots), device=device)
+        quantize(cache, chunk, _device_normal(gen, (chunk.numel(), 1, layout.d), device))
+    rows = (kv_cache.dequantize_from_cache_ref(cache, torch.arange(n_slots, device=device), torch.float32)
+            if oracle_rows else None)
 
     n_rows, width = batch * s_q, pages * block_size
     row_lens = seqlens.repeat_interleave(s_q)
@@ -383,7 +385,8 @@ def _poison_unselected_fast(cache: DecodeCache, indices: torch.Tensor, lengths: 
         valid &= torch.arange(topk, device=device)[None, None, :] < lengths[:, None, None]
     selected = torch.zeros(cache.n_slots, dtype=torch.bool, device=device)
     selected[indices[valid].long()] = True
-    cache.rows[~selected] = float("nan")
+    if cache.rows is not None:
+        cache.rows[~selected] = float("nan")
     c = cache.cache
     layout = kv_cache.layout_of(c)
     num_blocks, block_size = c.shape[:2]
@@ -403,16 +406,16 @@ def flashmla_decode_case(seed: int, *, batch: int, s_q: int, h_q: int, layout, t
                          block_size: int, extra: tuple[int, int, int] | None = None, varlen: bool = True,
                          topk_length: bool = False, extra_topk_length: bool = False, all_invalid: bool = False,
                          zero_seqlen: bool = False, sink: bool = True, fillers: bool = False, strided_q: bool = True,
-                         device="cpu") -> DecodeCase:
+                         oracle_rows: bool = True, device="cpu") -> DecodeCase:
     """A decode case as FlashMLA's sparse decode tests build it (see _paged_scope), over paged fp8 caches
     of `layout` (kv_cache.MODEL1 / V32): the main cache (topk, s_kv, block_size) and optionally an extra
     one (extra = (extra_topk, extra_s_kv, extra_block_size)); NaN bytes in every slot no valid entry
     selects; q 0.1 N(0, 1) (+ offset) as a view of a wider buffer; sinks with +-inf; sm_scale
     d_qk ** -0.55. The result's kwargs() / oracle() serve sparse_mla_decode; flashmla_decode_kwargs()
-    the FlashMLA call."""
+    the FlashMLA call. oracle_rows=False: no dequantized rows (benchmarks; no oracle())."""
     gen = torch.Generator(device=device).manual_seed(seed)
     common = dict(batch=batch, s_q=s_q, layout=layout, varlen=varlen, zero_seqlen=zero_seqlen,
-                  all_invalid=all_invalid, fillers=fillers, device=device)
+                  all_invalid=all_invalid, fillers=fillers, oracle_rows=oracle_rows, device=device)
     main, indices, lengths = _paged_scope(gen, s_kv=s_kv, topk=topk, block_size=block_size, lengths=topk_length,
                                           **common)
     _poison_unselected_fast(main, indices, lengths)
