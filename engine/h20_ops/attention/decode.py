@@ -15,6 +15,9 @@ Flash-decoding split: when the rows leave enough SMs per program, each row's lis
 chunks of whole pairs of 64-entry blocks (the SM90 kernels' step) that run as splits x more rows of the
 same launch (the list launch writes the repeated q rows); attention/merge.py combines the partials by
 lse and applies the sink once.
+out=: the caller's buffer is the output of the launch that writes the result (the merge with a split,
+else the attention kernel); a kernel that allocates its own output (the TileLang kernels today) is
+copied into it (dispatch.run_prefill_kernel / run_paged_fp8_kernel).
 Numerics: the attention kernel's (bf16 operands, fp32 accumulation; P rounded to bf16 before P.V); merge
 and sink in fp32. Deliberate deviation from FlashMLA's split-KV: partial outputs come back in q's dtype,
 so a split result carries one more bf16 rounding of each partial (|err| <= 2^-9 * sum_i w_i |o_i|).
