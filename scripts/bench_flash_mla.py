@@ -339,7 +339,6 @@ def run_decode_row(row: DecodeRow, backends: list[str], flashmla, timer: Timer, 
     distinct = int(torch.unique(case.indices).numel()) + (
         int(torch.unique(case.extra_indices).numel()) if case.extra is not None else 0)
     io_bytes = 2.0 * row.batch * row.s_q * row.h_q * (row.layout.d + 512) + distinct * row.layout.bytes_per_token
-    del case
     return dict(cells=cells, flops=row.flops(), bytes=io_bytes)
 
 
@@ -389,7 +388,6 @@ def run_prefill_row(row: PrefillRow, backends: list[str], flashmla, timer: Timer
             tolerances = (T.out_tolerance(T.PREFILL_OUT, cell.result[0]), T.PREFILL_STATS, T.PREFILL_STATS)
             cell.check = compare(name, cell.result, reference[:len(cell.result)], tolerances)
     interleaved(cells, timer, "eager")
-    del case
     return dict(cells=cells, flops=row.flops(), bytes=None)
 
 

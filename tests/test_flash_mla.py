@@ -20,7 +20,7 @@ import torch
 
 from engine.h20_ops import flash_mla, kv_cache
 from engine.h20_ops import testing as T
-from engine.h20_ops.attention import decode, dispatch
+from engine.h20_ops.attention import dispatch
 from engine.h20_ops.vendor import flashmla_sparse
 
 MODEL1, V32 = kv_cache.MODEL1, kv_cache.V32

@@ -216,6 +216,7 @@ def _fp8_bytes(name: str, cache) -> torch.Tensor:
         raise TypeError(f"{name}: expected a paged fp8 cache (dtype uint8, int8 or float8_e4m3fn: the bytes of "
                         f"MODEL1 584 B / V3.2 656 B tokens), got {cache.dtype}")
     if cache.size(3) not in (layout.bytes_per_token for layout in LAYOUTS):
-        raise ValueError(f"{name}: expected shape [num_blocks, page_block_size, 1, bytes per token: "
-                         f"{' or '.join(f'{l.bytes_per_token} ({l.name})' for l in LAYOUTS)}], got {tuple(cache.shape)}")
+        sizes = " or ".join(f"{layout.bytes_per_token} ({layout.name})" for layout in LAYOUTS)
+        raise ValueError(f"{name}: expected shape [num_blocks, page_block_size, 1, bytes per token: {sizes}], "
+                         f"got {tuple(cache.shape)}")
     return cache.view(torch.uint8) if cache.dtype == torch.int8 else cache
