@@ -453,3 +453,25 @@ def test_gpu_decode_replays_in_a_cuda_graph(monkeypatch, backend, plan_in_captur
     eager_out, eager_lse = run_decode(new)
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+@pytest.mark.parametrize("pages", [(64, 64), (256, 64)])
+def test_gpu_any_block_stride_the_layout_allows(monkeypatch, backend, pages):
+    """Caches whose blocks are 4 bytes apart beyond their data (the layout's alignment, not 16), one page
+    size for both caches (the paged fp8 kernel's case) and two: the same results as the dense layout."""
+    use_backend(monkeypatch, backend)
+    case = T.flashmla_decode_case(31, batch=8, s_q=2, h_q=64, layout=MODEL1, topk=128, s_kv=512, block_size=pages[0],
+                                  extra=(256, 512, pages[1]), varlen=False, device="cuda")
+
+    def padded(cache):
+        stride = cache.stride(0) + 4
+        buf = torch.zeros(cache.size(0) * stride, dtype=torch.uint8, device=cache.device)
+        view = torch.as_strided(buf, cache.shape, (stride, *cache.stride()[1:]))
+        view.copy_(cache)
+        return view
+
+    expected = run_decode(case)
+    out, lse = run_decode(case, k_cache=padded(case.main.cache), extra_k_cache=padded(case.extra.cache))
+    assert torch.equal(out, expected[0]) and torch.equal(lse, expected[1])
