@@ -375,6 +375,11 @@ def _gpu_decode_grid() -> dict[str, dict]:
         for b in (2, 64, 74, 128, 148, 256):
             grid[f"v4-h{h_q}-b{b}"] = dict(batch=b, s_q=2, h_q=h_q, layout=MODEL1, topk=topk, s_kv=s_kv,
                                            block_size=page, extra=(etopk, es_kv, epage), varlen=False)
+    # vLLM: every decode token its own request (s_q 1, b in the thousands); MTP: s_q 4
+    grid["vllm-h64-b2048-sq1"] = dict(batch=2048, s_q=1, h_q=64, layout=MODEL1, topk=128, s_kv=256, block_size=256,
+                                      extra=(512, 2048, 64), topk_length=True, extra_topk_length=True)
+    grid["mtp-h128-b64-sq4"] = dict(batch=64, s_q=4, h_q=128, layout=MODEL1, topk=128, s_kv=1024, block_size=256,
+                                    extra=(1024, 2048, 64), topk_length=True)
     grid["v32-b128"] = dict(batch=128, s_q=2, h_q=128, layout=V32, topk=2048, s_kv=4096, block_size=64, varlen=False)
     return grid
 
