@@ -93,15 +93,13 @@ def plan_sparse_decode(cache: torch.Tensor, *, batch: int, s_q: int, h_q: int, t
         raise ValueError(f"extra_cache, extra_topk: pass both (extra_topk >= 1) or neither, got extra_topk "
                          f"{extra_topk} with extra_cache {'None' if extra_cache is None else 'given'}")
     backend = dispatch.backend_of(backend)
-    layout, block_sizes = _cache_kind("cache", cache), [_block_size(cache)]
+    layout = _cache_kind("cache", cache)
     if extra_cache is not None:
         extra_layout = _cache_kind("extra_cache", extra_cache)
         if extra_layout is not layout:
             raise ValueError(f"extra_cache: expected the same kind of cache as cache ({_kind_name(layout)}), got "
                              f"{_kind_name(extra_layout)}")
-        block_sizes.append(_block_size(extra_cache))
-    choice = dispatch.decode_path(q_dtype, cache.device, layout, len(set(block_sizes)) == 1, extra_cache is not None,
-                                  backend)
+    choice = dispatch.decode_path(q_dtype, cache.device, layout, extra_cache is not None, backend)
     path, kernel = choice.kernel.split(": ")
     list_len = topk + extra_topk
     if num_splits is None:
@@ -244,10 +242,6 @@ def _cache_kind(name: str, cache) -> kv_cache.Fp8KvLayout | None:
 
 def _kind_name(layout) -> str:
     return "dense rows" if layout is None else f"fp8 {layout.name}"
-
-
-def _block_size(cache: torch.Tensor) -> int:
-    return cache.size(1) if cache.dtype in (torch.uint8, torch.float8_e4m3fn) and cache.dim() == 4 else 1
 
 
 def _check_plan(plan: DecodePlan, batch, s_q, h_q, topk, extra_topk, main, name: str) -> None:

@@ -201,10 +201,10 @@ def run_prefill_kernel_with_max_logits(kernel: str, q, kv, indices, sm_scale: fl
 PAGED_FP8_KERNELS = {"tilelang": "tilelang_sm90_paged_fp8"}
 
 
-def decode_path(q_dtype: torch.dtype, device: torch.device, fp8_layout, same_block_size: bool, has_extra: bool,
+def decode_path(q_dtype: torch.dtype, device: torch.device, fp8_layout, has_extra: bool,
                 backend: str | None = None) -> KernelChoice:
     """The decode path for caches of `fp8_layout` (kv_cache.MODEL1 / V32, or None for dense rows in q's
-    dtype); same_block_size: the two caches' page sizes are equal (or there is one cache)."""
+    dtype; the paged fp8 kernel takes either layout and each cache's own page size)."""
     backend = backend_of(backend)
     if fp8_layout is None:
         if not has_extra:
@@ -213,14 +213,11 @@ def decode_path(q_dtype: torch.dtype, device: torch.device, fp8_layout, same_blo
         return _record(KernelChoice("decode", f"gathered: {_buffer_kernel(q_dtype, device, backend)}",
                                     "two dense caches: rows gathered into one buffer"))
     paged = PAGED_FP8_KERNELS.get(backend)
-    if paged is not None and fp8_layout.name == "MODEL1" and same_block_size and q_dtype == torch.bfloat16:
-        return _record(KernelChoice("decode", f"paged_fp8: {paged}", f"backend {backend}, MODEL1 fp8 caches"))
+    if paged is not None and q_dtype == torch.bfloat16:
+        return _record(KernelChoice("decode", f"paged_fp8: {paged}",
+                                    f"backend {backend}, {fp8_layout.name} fp8 caches"))
     if paged is None:
         why = f"backend {backend} has no paged fp8 kernel"
-    elif fp8_layout.name != "MODEL1":
-        why = f"{paged} reads MODEL1 caches only, got {fp8_layout.name}"
-    elif not same_block_size:
-        why = f"{paged} needs equal page sizes for both caches"
     else:
         why = f"{paged} is bf16 only, q is {str(q_dtype).removeprefix('torch.')}"
     return _record(KernelChoice("decode", f"gathered: {_buffer_kernel(q_dtype, device, backend)}",
