@@ -16,7 +16,8 @@ needs more than an H200's memory) and one decode step after it; CUDA-synchronize
 
 The kernel repository is a local copy of this checkout (tests/local_kernel_repo.py) loaded through
 LOCAL_KERNELS. Needs CUDA, transformers 5.21.1, kernels 0.17.2 (imports transformers, kernels,
-safetensors). Prints tables; --json PATH writes the numbers; exits 1 when a way fails.
+safetensors; on the H200 image only the transformers and kernels wheels are missing, docs/transformers.md).
+Prints tables; --json PATH writes the numbers; exits 1 when a way fails.
 """
 
 from __future__ import annotations
