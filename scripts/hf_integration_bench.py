@@ -77,7 +77,7 @@ def accuracy(checkpoint: str, hf, repo_id: str, revision: str, n_tokens: int, n_
         "attn_implementation": lambda: load(torch.bfloat16, attn_implementation=hf.ATTENTION_NAME),
         "sparse layer": lambda: hf.kernelize_sparse_attention(load(torch.bfloat16), repo_id, revision),
         "kernel_config": lambda: DeepseekV4ForCausalLM.from_pretrained(
-            checkpoint, dtype=torch.bfloat16, device_map="cuda",
+            checkpoint, dtype=torch.bfloat16, device_map="cuda", use_kernels=True,
             kernel_config=hf.kernel_config(repo_id, revision)).eval(),
     }
     rows = {}

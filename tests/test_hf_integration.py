@@ -316,7 +316,8 @@ def test_kernel_config_layouts_on_cpu(checkpoint, eager, eager_short, kernel_rep
         state = model.state_dict()
         original = eager.state_dict()
         assert torch.equal(state["model.norm.scale"], original["model.norm.weight"])
-        assert torch.equal(state["model.layers.0.attn_hc.norm.scale"], original["model.layers.0.input_layernorm.weight"])
+        assert torch.equal(state["model.layers.0.attn_hc.norm.scale"],
+                           original["model.layers.0.input_layernorm.weight"])
         assert torch.equal(state["model.layers.1.self_attn.kv_norm.scale"],
                            original["model.layers.1.self_attn.kv_norm.weight"])
         assert len(state) == len(original)
@@ -353,6 +354,24 @@ def test_kernel_config_layouts_on_cpu(checkpoint, eager, eager_short, kernel_rep
             assert type(plain.model.norm).__name__ == "DeepseekV4RMSNorm"
             assert list(plain.state_dict()) == list(original)
             assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), original.values()))
+    finally:
+        hf.forget_kernel_config()
+
+
+def test_transformers_own_kernel_config_path(checkpoint, eager_short, kernel_repo, monkeypatch):
+    """from_pretrained(kernel_config=...) itself (the GPU path: its checks, its mapping, its kernelize)
+    with "cpu" admitted as a device type, which transformers 5.21.1 refuses."""
+    import transformers.utils.kernel_config as kernel_config_module
+
+    monkeypatch.setattr(kernel_config_module, "KERNELS_SUPPORTED_DEVICE_TYPES",
+                        [*kernel_config_module.KERNELS_SUPPORTED_DEVICE_TYPES, "cpu"])
+    try:
+        model = _load(checkpoint, use_kernels=True, kernel_config=hf.kernel_config(REPO_ID, REVISION))
+        assert model.model.norm.forward.__func__ is _repo_layer("RMSNormScale").forward
+        assert model.model.layers[0].attn_hc.forward.__func__ is _repo_layer("HyperConnectionNorm").forward
+        assert model.model.layers[1].self_attn.forward.__func__ is _repo_layer(hf.SPARSE_ATTENTION).forward
+        with torch.no_grad():
+            assert (model(SHORT).logits - eager_short[0]).abs().max().item() <= LOGITS_ATOL
     finally:
         hf.forget_kernel_config()
 
