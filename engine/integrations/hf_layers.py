@@ -39,7 +39,7 @@ from torch import nn
 # before transformers: without CUDA, the package sets TRITON_INTERPRET=1, which only takes effect
 # if nothing has imported triton yet
 from .. import ops
-from ..h20_ops.attention.dispatch import sparse_mla_fwd
+from ..h20_ops import sparse_mla_prefill
 
 from transformers.core_model_loading import WeightRenaming  # noqa: E402
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb  # noqa: E402
@@ -58,9 +58,9 @@ def sparse_attention(q: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor,
     n = rows.shape[1]
     offsets = (torch.arange(b, device=entries.device) * n).view(b, 1, 1)
     flat = torch.where(entries >= 0, entries + offsets, -1).to(torch.int32).reshape(b * s, -1)
-    out, _lse = sparse_mla_fwd(q.reshape(b * s, h, d), rows.reshape(b * n, 1, d), flat, scaling, d_v=d,
-                               attn_sink=sinks.float())
-    return out.view(b, s, h, d)
+    result = sparse_mla_prefill(q.reshape(b * s, h, d), rows.reshape(b * n, 1, d), flat, scaling, d_v=d,
+                                attn_sink=sinks.float())
+    return result.out.view(b, s, h, d)
 
 
 def window_entries(attention_mask: torch.Tensor | None, n_rows: int, seq_len: int, window: int,

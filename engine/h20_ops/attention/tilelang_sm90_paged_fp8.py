@@ -34,7 +34,7 @@ Constraints: h_q 64 or 128, d_qk 512 (MODEL1); caches 16-byte aligned, at most 1
 ue8m0 scale the fp8 quantizer writes (up to 2^120) dequantizes exactly; scales above 2^7 (tiles with
 |x| > 57344) take a second multiply.
 
-Speed (H200, docs/decode.md): with one item per SM, ~15.5 us per launch + ~5.8 us per pair of blocks
+Speed (H200, docs/lab/decode.md): with one item per SM, ~15.5 us per launch + ~5.8 us per pair of blocks
 (every entry masked: ~11.6 + ~5.1 us); with the rows L2-resident ~4.5 us per pair, against ~3 us for
 the bf16 kernel's pair and ~2.5-2.9 us for this kernel's consumers alone (no copies, no conversion):
 the staged copies and the conversion cost the rest. Staging a sector per 32-byte slot (before: each
