@@ -7,7 +7,7 @@ Shapes (s_q 2, every entry valid):
     over 256-token pages (each request's last 128 tokens); cache1 = the compressed cache, extra topk 512
     (h_q 64) or 1024 (h_q 128) over 64-token pages (distinct random entries of the request's 16384).
   V3.2 (kv_cache.V32, 656 B/token): B 128, h_q 128, one cache, topk 2048 over 64-token pages.
-Timing: the launch (and, with a split, the merge: engine/h20_ops/attention/entry.py `_merge_splits`) captured
+Timing: the launch (and, with a split, the merge: engine/h20_ops/attention/merge.py `merge_splits`) captured
 in a CUDA graph; each replay follows an L2 flush (a 256 MB write) and is timed alone by CUDA events; the
 median of --reps replays. TFLOP/s by 2 * n * h_q * entries * (d_qk + 512).
 
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from engine.h20_ops import kv_cache  # noqa: E402
-from engine.h20_ops.attention import entry  # noqa: E402
+from engine.h20_ops.attention import merge  # noqa: E402
 from engine.h20_ops.attention import triton_paged_fp8 as tpf  # noqa: E402
 
 DEFAULT_CONFIGS = ("64,8,2", "64,8,3", "32,8,2", "32,8,3", "32,8,4")
@@ -147,7 +147,7 @@ def main() -> int:
                         cache1=inputs.get("cache1"), indices1=inputs.get("indices1"),
                         lengths1=inputs.get("lengths1"), splits=splits, config=config)
                     if splits > 1:
-                        out, lse = entry._merge_splits(out, lse, splits, None)
+                        out, lse = merge.merge_splits(out, lse, splits, None, q.dtype)
                     return out, lse
                 try:
                     ms = time_graph(step, args.reps, flush)

@@ -9,8 +9,8 @@ Traps (FlashMLA's): invalid fillers -1 / INT_MIN / num_slots / INT_MAX, e4m3 NaN
 NaN RoPE in every slot no valid entry selects, a garbage MODEL1 pad byte, padded block strides and an
 offset base, non-contiguous q, lengths 0, all-invalid rows, sinks +-inf, odd block sizes differing per cache.
 CPU (interpreter): small shapes; @pytest.mark.gpu: the same grid at model sizes, and CUDA-graph replay.
-Tolerances: FlashMLA's decode ones (abs 1e-3 or rel 2.01/128, cosine 5e-6; lse abs 1e-6 or rel 8.01/65536);
-inf / NaN positions exact.
+Tolerances and comparator: engine/h20_ops/testing.py (FlashMLA's decode tolerances; the interpreter's
+truncating bf16 casts get its stated cosine bound).
 """
 
 from __future__ import annotations
@@ -24,35 +24,15 @@ import pytest
 import torch
 
 from engine.h20_ops import kv_cache
-from engine.h20_ops.attention import entry
+from engine.h20_ops.attention import merge
 from engine.h20_ops.attention import triton_paged_fp8 as tpf
 from engine.h20_ops.attention.reference import sparse_mla_prefill_ref
+from engine.h20_ops.testing import DECODE_LSE, DECODE_OUT, EXACT_FP32, Tolerance, assert_close, out_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INT_MIN, INT_MAX = -(2 ** 31), 2 ** 31 - 1
 LOG2E = 1.0 / math.log(2.0)
-OUT_TOL = dict(abs_tol=1e-3, rel_tol=2.01 / 128, cos_tol=5e-6)
-LSE_TOL = dict(abs_tol=1e-6, rel_tol=8.01 / 65536)
 BF16_NAN = 0x7FC0
-
-
-def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, *, abs_tol: float, rel_tol: float,
-                 cos_tol: float | None = None) -> None:
-    got, ref = got.double().cpu(), ref.double().cpu()
-    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    for kind, fn in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
-        mismatch = fn(got) != fn(ref)
-        assert not mismatch.any(), f"{name}: {kind} positions differ at {mismatch.nonzero()[:5].tolist()}"
-    finite = torch.isfinite(ref)
-    g, r = got[finite], ref[finite]
-    err = (g - r).abs()
-    bad = (err >= abs_tol) & (err / (r.abs() + 1e-6) >= rel_tol)
-    assert not bad.any(), (f"{name}: {int(bad.sum())} of {g.numel()} elements out of tolerance; "
-                           f"worst abs err {err.max().item():.3g}")
-    if cos_tol is not None and g.numel():
-        denom = (g * g + r * r).sum()
-        cos_dist = (1 - 2 * (g * r).sum() / denom).item() if denom > 0 else 0.0
-        assert cos_dist <= cos_tol, f"{name}: cosine distance {cos_dist:.3g} > {cos_tol}"
 
 
 def make_cache(gen: torch.Generator, layout, num_blocks: int, block_size: int, *, pad_bytes: int = 64,
@@ -214,7 +194,7 @@ def oracle(q, s_q, sm_scale, caches, lists, sink):
     return ref.out, ref.lse * LOG2E
 
 
-def launch(case, splits=1, config=None, merge=True):
+def launch(case, splits=1, config=None, merged=True):
     """The kernel on a built case (checked by the boundary's check first); with a split, merged."""
     (c0, *rest), ((i0, l0), *rest_lists) = case["caches"], case["lists"]
     c1, (i1, l1) = (rest[0], rest_lists[0]) if rest else (None, (None, None))
@@ -225,8 +205,8 @@ def launch(case, splits=1, config=None, merge=True):
     n, h_q = q.shape[:2]
     if splits > 1:
         assert out.dtype == torch.float32 and out.shape == (n * splits, h_q, 512) and lse.shape == (n * splits, h_q)
-        if merge:
-            out, lse = entry._merge_splits(out, lse, splits, sink)
+        if merged:
+            out, lse = merge.merge_splits(out, lse, splits, sink, q.dtype)
     else:
         assert out.dtype == q.dtype and out.shape == (n, h_q, 512) and lse.shape == (n, h_q)
     assert lse.dtype == torch.float32
@@ -236,8 +216,8 @@ def launch(case, splits=1, config=None, merge=True):
 def run_case(seed, *, splits=1, config=None, **kw):
     case, (ref_out, ref_lse) = build_case(seed, **kw)
     out, lse = launch(case, splits, config)
-    assert_close("out", out, ref_out, **OUT_TOL)
-    assert_close("lse", lse, ref_lse, **LSE_TOL)
+    assert_close("out", out, ref_out, out_tolerance(DECODE_OUT, out))
+    assert_close("lse", lse, ref_lse, DECODE_LSE)
     return out.cpu(), lse.cpu(), ref_out.cpu(), ref_lse.cpu()
 
 
@@ -285,7 +265,7 @@ def test_split_into_more_chunks_than_entries(layout):
     request's lengths (empty: +inf partial lse), merged by the engine's merge."""
     run_case(20, layout=layout, h_q=64, lengths=True, sink=True, splits=7)
     case, _ = build_case(21, layout=layout, h_q=16, lengths=True, block_sizes=(61,), topks=(24,), n_valid=(20,))
-    out_parts, lse_parts = launch(case, splits=30, merge=False)
+    out_parts, lse_parts = launch(case, splits=30, merged=False)
     empty = torch.isposinf(lse_parts)
     assert empty.any() and (out_parts[empty] == 0).all()
 
@@ -319,8 +299,8 @@ def test_float32_mode_is_exact(layout):
     for splits in (1, 3):
         out, lse = launch(case, splits)
         assert out.dtype == torch.float32
-        assert_close("out", out, ref_out, abs_tol=1e-6, rel_tol=1e-5)
-        assert_close("lse", lse, ref_lse, abs_tol=1e-6, rel_tol=1e-6)
+        assert_close("out", out, ref_out, EXACT_FP32)
+        assert_close("lse", lse, ref_lse, Tolerance(1e-6, 1e-6))
 
 
 def test_every_output_element_written(monkeypatch):
@@ -334,7 +314,7 @@ def test_every_output_element_written(monkeypatch):
     case, (ref_out, ref_lse) = build_case(45, h_q=8, lengths=True)
     monkeypatch.setattr(tpf.torch, "empty", nan_empty)
     for splits in (1, 4):
-        out, lse = launch(case, splits, merge=False)
+        out, lse = launch(case, splits, merged=False)
         assert not out.isnan().any() and not lse.isnan().any()
 
 
@@ -347,8 +327,8 @@ def test_nan_in_a_selected_row_stays_nan():
     ref_out, ref_lse = oracle(case["q"], case["s_q"], case["sm_scale"], case["caches"], case["lists"], None)
     out, lse = launch(case)
     assert out[0].isnan().all() and lse[0].isnan().all()
-    assert_close("out", out, ref_out, **OUT_TOL)
-    assert_close("lse", lse, ref_lse, **LSE_TOL)
+    assert_close("out", out, ref_out, out_tolerance(DECODE_OUT, out))
+    assert_close("lse", lse, ref_lse, DECODE_LSE)
 
 
 def _bad(change: str):
@@ -411,7 +391,8 @@ from engine.h20_ops.attention import triton_paged_fp8 as tpf
 layout, h_q, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 is_model1 = layout == "MODEL1"
 block_h = tpf.heads_per_tile(h_q)
-cfg = tpf.default_config(tpf.torch.bfloat16 if dtype == "bf16" else tpf.torch.float32, block_h)
+cfg = tpf.default_config(tpf.torch.bfloat16 if dtype == "bf16" else tpf.torch.float32, block_h,
+                         tpf.kv_cache.MODEL1 if is_model1 else tpf.kv_cache.V32)
 pointers = {"q_ptr": f"*{dtype}", "cache0_ptr": "*u8", "cache1_ptr": "*u8", "idx0_ptr": "*i32", "idx1_ptr": "*i32",
             "len0_ptr": "*i32", "len1_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": f"*{dtype}", "lse_ptr": "*fp32"}
 kernel = tpf._paged_fp8_decode_kernel
@@ -529,5 +510,5 @@ def test_cuda_graph_replay():
     case["attn_sink"].copy_(fresh["attn_sink"])
     graph.replay()
     torch.cuda.synchronize()
-    assert_close("out", out, ref_out, **OUT_TOL)
-    assert_close("lse", lse, ref_lse, **LSE_TOL)
+    assert_close("out", out, ref_out, out_tolerance(DECODE_OUT, out))
+    assert_close("lse", lse, ref_lse, DECODE_LSE)

@@ -23,7 +23,7 @@ which the public boundary calls; the launcher itself only asserts what the kerne
     splits == 1: returns (out [n, h_q, 512] in q's dtype, lse_log2 [n, h_q] fp32), the sink applied.
     splits > 1: returns (out_parts [n * splits, h_q, 512] fp32, lse_parts [n * splits, h_q] fp32), chunk c of
     row r at row r * splits + c, each normalized over its own chunk (lse +inf, out 0 for a chunk without a
-    valid entry), NO sink: the split merge (attention/entry.py `_merge_splits`) combines them and applies it.
+    valid entry), NO sink: the split merge (attention/merge.py `merge_splits`) combines them and applies it.
   h_q: any h_q >= 1. Head tiles of min(64, max(16, next_pow2(h_q))) heads (tl.dot needs M >= 16): h_q 16, 32,
     64 and 128 fill their tiles; h_q 8 runs a 16-row tile with 8 rows masked (no extra memory traffic, half
     the tile's dot work idle). Tested: 8, 16, 32, 64, 128.
@@ -90,14 +90,16 @@ class PagedFp8DecodeConfig:
     num_stages: int
 
 
-def default_config(dtype: torch.dtype, heads_per_tile: int) -> PagedFp8DecodeConfig:
-    """float32 (validation mode) uses small blocks so that it fits shared memory; bf16 tiles of fewer than 64
-    heads need only 4 warps for their accumulator."""
+def default_config(dtype: torch.dtype, heads_per_tile: int, layout: kv_cache.Fp8KvLayout) -> PagedFp8DecodeConfig:
+    """The fastest configuration measured on an H200 (docs/runs/2026-12-02_h200_bench_triton_paged_fp8_tl.log):
+    64-entry blocks, 8 warps, 3 stages (two row buffers in flight) for MODEL1; V32's RoPE tiles leave room for
+    2 stages only. float32 (validation mode) uses small blocks so that it fits shared memory; tiles of fewer
+    than 64 heads need only 4 warps for their accumulator."""
     if dtype == torch.float32:
         return PagedFp8DecodeConfig(block_k=16, num_warps=8, num_stages=1)
     if heads_per_tile < MAX_HEADS_PER_TILE:
         return PagedFp8DecodeConfig(block_k=64, num_warps=4, num_stages=2)
-    return PagedFp8DecodeConfig(block_k=64, num_warps=8, num_stages=2)
+    return PagedFp8DecodeConfig(block_k=64, num_warps=8, num_stages=3 if layout is kv_cache.MODEL1 else 2)
 
 
 def heads_per_tile(h_q: int) -> int:
@@ -393,7 +395,7 @@ def paged_fp8_decode(q: torch.Tensor, cache0: torch.Tensor, indices0: torch.Tens
         assert q.is_cuda, "q: the kernel runs on a CUDA device (or under TRITON_INTERPRET=1)"
     block_h = heads_per_tile(h_q)
     if config is None:
-        config = default_config(q.dtype, block_h)
+        config = default_config(q.dtype, block_h, layout)
     partial = splits > 1
     out_dtype = torch.float32 if partial else q.dtype
     out = torch.empty((n * splits, h_q, D_V), dtype=out_dtype, device=q.device)
