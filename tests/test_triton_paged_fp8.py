@@ -263,7 +263,7 @@ def test_lengths_sinks_and_splits(s_q, splits):
 def test_split_into_more_chunks_than_entries(layout):
     """7 chunks of 10 positions over lists of 24 + 40: chunks that straddle the two lists, chunks past a
     request's lengths (empty: +inf partial lse), merged by the engine's merge."""
-    run_case(20, layout=layout, h_q=64, lengths=True, sink=True, splits=7)
+    run_case(20, layout=layout, h_q=16, lengths=True, sink=True, splits=7)
     case, _ = build_case(21, layout=layout, h_q=16, lengths=True, block_sizes=(61,), topks=(24,), n_valid=(20,))
     out_parts, lse_parts = launch(case, splits=30, merged=False)
     empty = torch.isposinf(lse_parts)
