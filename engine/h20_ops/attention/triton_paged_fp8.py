@@ -42,22 +42,23 @@ sm_scale * log2(e) folded into the scores.
   and tl.dot gets fp32 operands (the interpreter multiplies raw bf16 bit patterns, triton issue 11584).
 
 Schedule: one program per (query row, split chunk, head tile) on a 1-D grid (head tiles of a row adjacent:
-they read the same cache rows close in time, from L2). A chunk is walked in blocks of BLOCK_K entries, first
-its part of cache0's list, then its part of cache1's (two loops with each cache's block size as a constexpr:
-no per-entry select between the caches; positions past a list's length are not visited at all). Per block:
-the slot ids (loaded one block ahead), block / offset per slot, the rows' bytes as one [BLOCK_K, tiles,
-tile] tile (uint8 loads for the e4m3 columns, bf16 loads for MODEL1's RoPE tile, combined with tl.where),
-times the per-tile scale, then Q.K^T and P.V on the same dequantized tile. The `if start < hi` branch
-around the score mask ends the dot chain Q.K^T -> P.V so that Triton splits Q.K^T between the two
-warpgroups (see vendor/flashmla_sparse.py).
+they read the same cache rows close in time, from L2). The chunk's entries are walked as one compacted list:
+its part of cache0's list, then its part of cache1's, positions past a list's length dropped (not visited),
+in blocks of BLOCK_K entries with a per-entry choice of the cache (each cache's block size a constexpr; two
+loops, one per cache, spilled registers). Per block: the slot ids (loaded one block ahead), block / offset per
+slot, the rows' e4m3 bytes as one [BLOCK_K, tiles, tile] uint8 tile, times the per-tile scale (MODEL1: tile 7
+is the bf16 RoPE, loaded as [BLOCK_K, 64] and selected in), then Q.K^T and P.V on the same dequantized tile.
+The `if block < n_entries` branch around the score mask ends the dot chain Q.K^T -> P.V so that Triton
+splits Q.K^T between the two warpgroups (see vendor/flashmla_sparse.py).
 Programmatic dependent launch on SM90: the kernel waits for the previous kernel of the stream
 (griddepcontrol.wait) before touching memory and lets the next one launch.
 CUDA graphs: no host synchronization, outputs allocated by shape only.
 
 Speed (one H200, CUDA-graph replays after an L2 flush, scripts/bench_triton_paged_fp8.py; log
 docs/runs/2026-12-02_h200_bench_triton_paged_fp8_tl.log; notes docs/lab/triton_paged_fp8.md): 180-230 TFLOP/s
-at B 64 / 128 / 256, 110-195 at B 74 / 148 (a partial second wave of programs) (V3.2 B 128 h_q 128 topk 2048: 0.638 ms, 229 TFLOP/s, about 0.56x FlashMLA's published 410 TFLOP/s
-for that shape; V4 h_q 64, 128 + 512 entries, B 128: 0.114 ms). Each block costs ~3x its tensor-core time: the
+at B 64 / 128 / 256, 110-195 at B 74 / 148 (a partial second wave of programs). V3.2 B 128 h_q 128 topk 2048:
+0.638 ms, 229 TFLOP/s, about 0.56x FlashMLA's published 410 TFLOP/s for that shape; V4 h_q 64, 128 + 512
+entries, B 128: 0.114 ms. Each block costs ~3x its tensor-core time: the
 rows go global -> shared (cp.async) -> registers (conversion) -> shared (the wgmma operand) on the single
 instruction stream of each program, and the two head tiles of an h_q 128 row load and convert the same rows.
 
@@ -85,8 +86,6 @@ D_V = 512
 _D_V = tl.constexpr(D_V)  # the same, readable inside the kernels
 MAX_HEADS_PER_TILE = 64
 MIN_HEADS_PER_TILE = 16  # tl.dot's smallest M
-_MODEL1_DATA_BYTES = 576  # per token in the first part of a MODEL1 block: 448 e4m3 + 64 bf16
-_MODEL1_SCALE_BYTES = 8  # per token after the block's data: 7 ue8m0 bytes + 1 pad
 _INTERPRET = triton_interprets()  # Triton decided at import (decoration) time, from the same variable
 
 
