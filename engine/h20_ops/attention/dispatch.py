@@ -198,13 +198,15 @@ def run_prefill_kernel_with_max_logits(kernel: str, q, kv, indices, sm_scale: fl
 # decode paths
 # ---------------------------------------------------------------------------------------------
 
-PAGED_FP8_KERNELS = {"tilelang": "tilelang_sm90_paged_fp8"}
+# the kernel of each backend that reads paged fp8 caches itself (either layout, each cache's own page size)
+PAGED_FP8_KERNELS = {"tilelang": "tilelang_sm90_paged_fp8", "triton": "triton_paged_fp8"}
 
 
 def decode_path(q_dtype: torch.dtype, device: torch.device, fp8_layout, has_extra: bool,
-                backend: str | None = None) -> KernelChoice:
+                backend: str | None = None, *, caches_aligned16: bool = True) -> KernelChoice:
     """The decode path for caches of `fp8_layout` (kv_cache.MODEL1 / V32, or None for dense rows in q's
-    dtype; the paged fp8 kernel takes either layout and each cache's own page size)."""
+    dtype). caches_aligned16: every cache's base and block stride are 16-byte aligned (the TileLang paged
+    kernel reads rows by 16-byte cp.async; the layouts themselves need 4 bytes)."""
     backend = backend_of(backend)
     if fp8_layout is None:
         if not has_extra:
@@ -213,13 +215,16 @@ def decode_path(q_dtype: torch.dtype, device: torch.device, fp8_layout, has_extr
         return _record(KernelChoice("decode", f"gathered: {_buffer_kernel(q_dtype, device, backend)}",
                                     "two dense caches: rows gathered into one buffer"))
     paged = PAGED_FP8_KERNELS.get(backend)
-    if paged is not None and q_dtype == torch.bfloat16:
-        return _record(KernelChoice("decode", f"paged_fp8: {paged}",
-                                    f"backend {backend}, {fp8_layout.name} fp8 caches"))
+    why = None
     if paged is None:
         why = f"backend {backend} has no paged fp8 kernel"
-    else:
+    elif backend == "tilelang" and q_dtype != torch.bfloat16:
         why = f"{paged} is bf16 only, q is {str(q_dtype).removeprefix('torch.')}"
+    elif backend == "tilelang" and not caches_aligned16:
+        why = f"{paged} needs 16-byte aligned cache bases and block strides"
+    if why is None:
+        return _record(KernelChoice("decode", f"paged_fp8: {paged}",
+                                    f"backend {backend}, {fp8_layout.name} fp8 caches"))
     return _record(KernelChoice("decode", f"gathered: {_buffer_kernel(q_dtype, device, backend)}",
                                 f"fp8 rows dequantized into a buffer: {why}"))
 
