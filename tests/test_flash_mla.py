@@ -20,7 +20,7 @@ import torch
 
 from engine.h20_ops import flash_mla, kv_cache
 from engine.h20_ops import testing as T
-from engine.h20_ops.attention import dispatch
+from engine.h20_ops.attention import dispatch, triton_paged_fp8
 from engine.h20_ops.vendor import flashmla_sparse
 
 MODEL1, V32 = kv_cache.MODEL1, kv_cache.V32
@@ -165,16 +165,16 @@ def test_lse_is_natural_and_laid_out_as_flashmla_returns_it():
 @pytest.mark.parametrize("split", [False, True])
 def test_decode_out_is_written_in_place(monkeypatch, split):
     """out= is the buffer the last launch writes: the merge's output with a split, the kernel's without;
-    no copy (the Triton prefill kernel gets the caller's buffer as its output)."""
+    no copy (the Triton paged fp8 kernel gets the caller's buffer as its output)."""
     case = small_case(topk=64, extra=(136, 150, 5)) if split else small_case()
     kernel_outs = []
-    real = flashmla_sparse.flash_mla_sparse_fwd
+    real = triton_paged_fp8.paged_fp8_decode  # the Triton backend's decode kernel for fp8 caches
 
     def recording(*args, out=None, **kwargs):
         kernel_outs.append(out)
         return real(*args, out=out, **kwargs)
 
-    monkeypatch.setattr(flashmla_sparse, "flash_mla_sparse_fwd", recording)
+    monkeypatch.setattr(triton_paged_fp8, "paged_fp8_decode", recording)
     expected, _ = run_decode(case)
     buf = torch.full_like(expected, float("nan"))
     meta, _ = flash_mla.get_mla_metadata()

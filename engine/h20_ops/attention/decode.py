@@ -213,11 +213,10 @@ def _triton_paged_fp8(plan: DecodePlan, q_rows, cache, indices, topk_length, ext
     flat = lambda t: None if t is None else t.reshape(rows, t.size(2))  # noqa: E731
     out, lse = paged_fp8_decode(q_rows, cache, flat(indices), topk_length, s_q=plan.s_q, sm_scale=sm_scale,
                                 cache1=extra_cache, indices1=flat(extra_indices), lengths1=extra_topk_length,
-                                attn_sink=attn_sink if plan.splits == 1 else None, splits=plan.splits)
+                                attn_sink=attn_sink if plan.splits == 1 else None, splits=plan.splits,
+                                out=out_rows if plan.splits == 1 else None)
     if plan.splits > 1:
         out, lse = merge_splits(out, lse, plan.splits, attn_sink, q_rows.dtype, out_rows)
-    elif out_rows is not None:
-        out = out_rows.copy_(out)
     shape = (plan.batch, plan.s_q, plan.h_q)
     return AttentionOutput(out.view(*shape, D_V), lse.view(shape))
 

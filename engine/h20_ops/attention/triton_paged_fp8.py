@@ -387,10 +387,12 @@ def paged_fp8_decode(q: torch.Tensor, cache0: torch.Tensor, indices0: torch.Tens
                      *, s_q: int, sm_scale: float, cache1: torch.Tensor | None = None,
                      indices1: torch.Tensor | None = None, lengths1: torch.Tensor | None = None,
                      attn_sink: torch.Tensor | None = None, splits: int = 1,
-                     config: PagedFp8DecodeConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     config: PagedFp8DecodeConfig | None = None,
+                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One kernel launch (module header: contract). Arguments are assumed valid (check_paged_fp8_decode_args);
     only what the kernel relies on is asserted. Returns (out, lse_log2) with splits == 1, else
-    (out_parts fp32, lse_parts)."""
+    (out_parts fp32, lse_parts). out: a dense [n, h_q, 512] buffer in q's dtype the kernel writes (splits == 1
+    only; checked by the boundary)."""
     n, h_q, d_qk = q.shape
     layout = kv_cache.layout_of(cache0)
     assert d_qk == layout.d and q.stride(2) == 1 and n % s_q == 0 and splits >= 1
@@ -404,7 +406,10 @@ def paged_fp8_decode(q: torch.Tensor, cache0: torch.Tensor, indices0: torch.Tens
         config = default_config(q.dtype, block_h, layout)
     partial = splits > 1
     out_dtype = torch.float32 if partial else q.dtype
-    out = torch.empty((n * splits, h_q, D_V), dtype=out_dtype, device=q.device)
+    if out is None:
+        out = torch.empty((n * splits, h_q, D_V), dtype=out_dtype, device=q.device)
+    else:
+        assert not partial and out.shape == (n, h_q, D_V) and out.dtype == q.dtype and out.is_contiguous()
     lse = torch.empty((n * splits, h_q), dtype=torch.float32, device=q.device)
     has_cache1 = cache1 is not None
     topk0 = indices0.size(1)
