@@ -16,8 +16,8 @@ chunks of whole pairs of 64-entry blocks (the SM90 kernels' step) that run as sp
 same launch (the list launch writes the repeated q rows); attention/merge.py combines the partials by
 lse and applies the sink once.
 out=: the caller's buffer is the output of the launch that writes the result (the merge with a split,
-else the attention kernel); a kernel that allocates its own output (the TileLang kernels today) is
-copied into it (dispatch.run_prefill_kernel / run_paged_fp8_kernel).
+else the attention kernel); a kernel that allocates its own output (the paged fp8 TileLang kernel
+today) is copied into it (dispatch.run_paged_fp8_kernel).
 Numerics: the attention kernel's (bf16 operands, fp32 accumulation; P rounded to bf16 before P.V); merge
 and sink in fp32. Deliberate deviation from FlashMLA's split-KV: partial outputs come back in q's dtype,
 so a split result carries one more bf16 rounding of each partial (|err| <= 2^-9 * sum_i w_i |o_i|).
@@ -136,8 +136,8 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
       extra_topk_length [B]: attended in the same softmax.
     attn_sink [h_q] fp32: out *= 1 / (1 + exp(sink - lse)) (natural-log lse), once, over both caches.
     plan: from plan_sparse_decode for these shapes (None: made here, for one-off calls).
-    out: a contiguous [B, s_q, h_q, 512] tensor in q's dtype that receives the output (the launch that
-      writes the result, the merge's or the kernel's, writes it there), None: a new one.
+    out: a contiguous, 16-byte aligned [B, s_q, h_q, 512] tensor in q's dtype that receives the output
+      (the launch that writes the result, the merge's or the kernel's, writes it there), None: a new one.
     names: the caller's names for these arguments in error messages (an adapter such as
       engine.h20_ops.flash_mla: {"cache": "k_cache", ...}).
     Returns AttentionOutput(out [B, s_q, h_q, 512] in q's dtype, lse_log2 [B, s_q, h_q] fp32 base 2);
