@@ -67,7 +67,7 @@ def _kernels():
         if exc.name != "kernels":
             raise
         raise KernelRepoError("the `kernels` package is not installed (pip install kernels==0.17.2; "
-                              "pyproject's `hub` extra)") from exc
+                              "pyproject's `hf-kernels` extra)") from exc
     return kernels
 
 

@@ -36,6 +36,7 @@ ENGINE = ROOT / "engine"
 NAME = "deepinfer-sparse-mla"  # kernels' rule: ^[a-z][-a-z0-9]*[a-z0-9]$; the package is its python name
 PACKAGE = NAME.replace("-", "_")
 VERSION = 1  # the repository's API version (the Hub's branch v1)
+REPO_ID, REVISION = "deepinfer/sparse-mla", f"v{VERSION}"  # how LOCAL_KERNELS / the lock name it
 VARIANTS = {"torch-cpu": "cpu", "torch-cuda": "cuda"}
 # kernels requires a license string; the project states none, so the SPDX term for "not stated"
 LICENSE = "NOASSERTION"

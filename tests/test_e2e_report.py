@@ -93,7 +93,7 @@ def test_ci_command_report_json_hub_source(tmp_path):
     loaded from an offline cache through a lock (HF_HUB_OFFLINE=1): the hub source on every rank with the
     same commit and digest, every op from the hub, no fallbacks, tokens equal to the oracle. Small (2 ranks,
     2 prompts, 2 tokens): the other CI runs cover the engine; this one covers where its kernels come from."""
-    pytest.importorskip("kernels", reason="needs the kernels package (pyproject's test / hub extras)")
+    pytest.importorskip("kernels", reason="needs the kernels package (pyproject's test / hf-kernels extras)")
     repo, cache, lock = tmp_path / "kernel_repo", tmp_path / "kernel_cache", tmp_path / "kernels.lock"
     for script, args in (("build_kernel_repo.py", [str(repo)]),
                          ("kernel_offline_cache.py", [str(repo), "--lock", str(lock), "--cache", str(cache)])):

@@ -54,7 +54,7 @@ builder = _script("build_kernel_repo")
 
 @pytest.fixture(scope="module")
 def kernels_lib():
-    return pytest.importorskip("kernels", reason="needs the kernels package (pyproject's test / hub extras)")
+    return pytest.importorskip("kernels", reason="needs the kernels package (pyproject's test / hf-kernels extras)")
 
 
 @pytest.fixture(scope="module")

@@ -135,8 +135,9 @@ def decode_cache(gen: torch.Generator, n_slots_min: int, d: int, *, layout=None,
     if device != "cpu" and block_pad:  # move the backing buffer, then view: .to() of a view packs it densely
         moved = buf.to(device)
         cache = torch.as_strided(moved, base.shape, base.stride())
-    else:
-        cache = base.to(device)
+    else:  # copy into a cache allocated there: .to() of a view over padded blocks would pack it densely
+        cache = kv_cache.new_fp8_kv_cache(layout, num_blocks, block_size, device)
+        cache.copy_(base)
     return DecodeCache(cache, rows, n_slots)
 
 
@@ -245,3 +246,201 @@ def decode_case(seed: int, *, batch: int, s_q: int, h_q: int, topk: int, extra_t
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     return DecodeCase(q, main, to(indices), to(topk_length), extra, to(extra_indices), to(extra_topk_length),
                       to(sinks(gen, h_q)) if sink else None, d ** -0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashMLA's published test cases (tests/test_flash_mla_sparse_*.py semantics), for engine.h20_ops.flash_mla
+# ---------------------------------------------------------------------------------------------
+
+# FlashMLA's prefill fillers: every one is invalid (out of [0, s_kv) or negative)
+PREFILL_FILLERS = (INT32_MIN, -123456, -1, 114514, 1919810, 2147480000, INT32_MAX)
+PREFILL_SM_SCALE = 0.5  # FlashMLA's prefill tests
+DECODE_SM_SCALE_POWER = -0.55  # FlashMLA's decode tests: sm_scale = d_qk ** -0.55
+
+
+def _device_normal(gen: torch.Generator, shape, device, scale: float = 0.1) -> torch.Tensor:
+    """normal_inputs drawn on `device` with a generator of that device (large GPU cases)."""
+    offset = (torch.rand((), generator=gen, device=device) - 0.5) * scale
+    return torch.randn(shape, generator=gen, device=device) * scale + offset
+
+
+def _strided_view(t: torch.Tensor, pad: int = 64) -> torch.Tensor:
+    """t as a view of a wider buffer (last dim padded): equal values, non-contiguous rows."""
+    wide = torch.zeros((*t.shape[:-1], t.size(-1) + pad), dtype=t.dtype, device=t.device)
+    wide[..., :t.size(-1)] = t
+    return wide[..., :t.size(-1)]
+
+
+@dataclass
+class PrefillCase:
+    q: torch.Tensor  # [s_q, h_q, d_qk] (non-contiguous when asked)
+    kv: torch.Tensor  # [s_kv, 1, d_qk]; NaN in every row no valid entry selects, when poisoned
+    indices: torch.Tensor  # [s_q, 1, topk] int32
+    topk_length: torch.Tensor | None  # [s_q] int32
+    attn_sink: torch.Tensor | None  # [h_q] fp32
+    sm_scale: float
+
+    def oracle(self):
+        """RefResult(out [s_q, h_q, 512], max_logits, lse natural) of the float32 oracle on the same inputs."""
+        from .attention.reference import sparse_mla_prefill_ref
+
+        return sparse_mla_prefill_ref(self.q.float(), self.kv.float(), self.indices, self.sm_scale,
+                                      attn_sink=self.attn_sink, topk_length=self.topk_length)
+
+
+def prefill_case(seed: int, *, s_q: int, s_kv: int, h_q: int, topk: int, d_qk: int = 512, topk_length: bool = False,
+                 sink: bool = False, all_invalid: bool = False, poison: bool = True, strided: bool = True,
+                 dtype=torch.bfloat16, device="cpu") -> PrefillCase:
+    """A prefill case as FlashMLA's prefill tests build it: per row min(topk, s_kv) distinct random rows
+    of kv in random order, the other positions fillers from PREFILL_FILLERS and s_kv (topk > s_kv: "OOB
+    top-k"); topk_length random in [0, topk]; sinks with +-inf; q, kv and indices views of wider buffers.
+    Beyond FlashMLA's: fillers at random positions (not only trailing), every row of kv that no valid
+    entry selects poisoned with NaN (poison), and with all_invalid every third row all fillers (row 0
+    always)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = _device_normal(gen, (s_q, h_q, d_qk), device).to(dtype)
+    kv = _device_normal(gen, (s_kv, 1, d_qk), device).to(dtype)
+    n_valid = min(topk, s_kv)
+    picks = torch.rand((s_q, s_kv), generator=gen, device=device).topk(n_valid, dim=1).indices.to(torch.int32)
+    fillers = torch.tensor((*PREFILL_FILLERS, s_kv), dtype=torch.int32, device=device)
+    idx = fillers[torch.randint(len(fillers), (s_q, topk), generator=gen, device=device)]
+    order = torch.rand((s_q, topk), generator=gen, device=device).argsort(dim=1)[:, :n_valid]
+    idx.scatter_(1, order, picks)
+    if all_invalid:
+        idx[::3] = fillers[torch.randint(len(fillers), (1,), generator=gen, device=device)]
+    lengths = None
+    if topk_length:
+        lengths = torch.randint(0, topk + 1, (s_q,), generator=gen, device=device, dtype=torch.int32)
+    if poison:
+        valid = (idx >= 0) & (idx < s_kv)
+        if lengths is not None:
+            valid &= torch.arange(topk, device=device)[None, :] < lengths[:, None]
+        used = torch.zeros(s_kv, dtype=torch.bool, device=device)
+        used[idx[valid].long()] = True
+        kv[~used] = float("nan")
+    attn_sink = sinks(torch.Generator().manual_seed(seed), h_q).to(device) if sink else None
+    indices = idx.view(s_q, 1, topk)
+    if strided:
+        q, kv, indices = _strided_view(q), _strided_view(kv), _strided_view(indices, pad=16)
+    return PrefillCase(q, kv, indices, lengths, attn_sink, PREFILL_SM_SCALE)
+
+
+def _paged_scope(gen: torch.Generator, *, batch: int, s_q: int, s_kv: int, topk: int, block_size: int, layout,
+                 varlen: bool, zero_seqlen: bool, all_invalid: bool, lengths: bool, fillers: bool, oracle_rows: bool,
+                 device):
+    """One cache of a FlashMLA decode case: each request's s_kv tokens (varlen: max(N(s_kv, s_kv / 2), s_q);
+    zero_seqlen: about half the requests 0) on randomly placed pages of `block_size` tokens, per query
+    row min(topk, seqlen) distinct random tokens of its request as flat slot ids (block * block_size +
+    offset) at random positions of the list, the others invalid (-1, or with fillers every kind:
+    fillers_for); lengths: topk_length random in [0, topk]. -> (DecodeCache, indices, topk_length)."""
+    seqlens = torch.full((batch,), s_kv, dtype=torch.int64, device=device)
+    if varlen:
+        seqlens = (torch.randn(batch, generator=gen, device=device) * (s_kv / 2) + s_kv).long().clamp(min=s_q)
+    if zero_seqlen:
+        seqlens[torch.rand(batch, generator=gen, device=device) < 0.5] = 0
+    align = 4 * block_size
+    pages = max(-(-int(seqlens.max()) // align), 1) * align // block_size
+    num_blocks = batch * pages
+    block_table = torch.randperm(num_blocks, generator=gen, device=device).view(batch, pages)
+    cache = kv_cache.new_fp8_kv_cache(layout, num_blocks, block_size, device)
+    n_slots = num_blocks * block_size
+    quantize = kv_cache.quantize_into_cache if cache.is_cuda else kv_cache.quantize_into_cache_ref
+    for start in range(0, n_slots, 1 << 20):  # chunks bound the float32 staging of big caches
+        chunk = torch.arange(start, min(start + (1 << 20), n_slots), device=device)
+        quantize(cache, chunk, _device_normal(gen, (chunk.numel(), 1, layout.d), device))
+    rows = (kv_cache.dequantize_from_cache_ref(cache, torch.arange(n_slots, device=device), torch.float32)
+            if oracle_rows else None)
+
+    n_rows, width = batch * s_q, pages * block_size
+    row_lens = seqlens.repeat_interleave(s_q)
+    keys = torch.rand((n_rows, width), generator=gen, device=device)
+    keys[torch.arange(width, device=device)[None, :] >= row_lens[:, None]] = -1.0  # tokens past seqlen last
+    pos = keys.topk(min(topk, width), dim=1).indices
+    if topk > width:
+        pos = torch.cat([pos, torch.full((n_rows, topk - width), width, device=device, dtype=pos.dtype)], dim=1)
+    valid = pos < row_lens[:, None]
+    request = torch.arange(batch, device=device).repeat_interleave(s_q)[:, None]
+    page = block_table[request, (pos // block_size).clamp(max=pages - 1)]
+    slots = (page * block_size + pos % block_size).to(torch.int32)
+    invalid = torch.full_like(slots, -1)
+    if fillers:
+        choice = torch.tensor(fillers_for(n_slots), dtype=torch.int32, device=device)
+        invalid = choice[torch.randint(len(choice), slots.shape, generator=gen, device=device)]
+    if all_invalid:
+        valid = torch.zeros_like(valid)
+    slots = torch.where(valid, slots, invalid)
+    slots = slots.gather(1, torch.rand(slots.shape, generator=gen, device=device).argsort(dim=1))  # shuffle
+    indices = slots.view(batch, s_q, topk)
+    topk_length = torch.randint(0, topk + 1, (batch,), generator=gen, device=device,
+                                dtype=torch.int32) if lengths else None
+    return DecodeCache(cache, rows, n_slots), indices, topk_length
+
+
+def _poison_unselected_fast(cache: DecodeCache, indices: torch.Tensor, lengths: torch.Tensor | None) -> None:
+    """poison_unselected, vectorized on the cache's device (large GPU cases): NaN e4m3 codes and NaN
+    bf16 RoPE in every slot no valid entry selects, NaN rows in `rows`."""
+    b, s_q, topk = indices.shape
+    device = indices.device
+    valid = (indices >= 0) & (indices < cache.n_slots)
+    if lengths is not None:
+        valid &= torch.arange(topk, device=device)[None, None, :] < lengths[:, None, None]
+    selected = torch.zeros(cache.n_slots, dtype=torch.bool, device=device)
+    selected[indices[valid].long()] = True
+    if cache.rows is not None:
+        cache.rows[~selected] = float("nan")
+    c = cache.cache
+    layout = kv_cache.layout_of(c)
+    num_blocks, block_size = c.shape[:2]
+    raw = torch.as_strided(c.view(torch.uint8), (num_blocks, block_size * layout.bytes_per_token), (c.stride(0), 1))
+    if layout is kv_cache.MODEL1:  # per token [448 e4m3 | 64 bf16 RoPE] at t * 576 (module kv_cache.fp8)
+        tokens = raw[:, :block_size * 576].view(num_blocks, block_size, 576)
+        nope, rope = tokens[:, :, :layout.d_nope], tokens[:, :, layout.d_nope:]
+    else:  # per token [512 e4m3 | 16 B scales | 64 bf16 RoPE] at t * 656
+        tokens = raw.view(num_blocks, block_size, layout.bytes_per_token)
+        nope, rope = tokens[:, :, :layout.d_nope], tokens[:, :, layout.d_nope + 4 * layout.num_tiles:]
+    unselected = ~selected.view(num_blocks, block_size)
+    nope[unselected] = 0x7F  # e4m3 NaN
+    rope[unselected] = 0xFF  # bf16 0xFFFF: NaN
+
+
+def flashmla_decode_case(seed: int, *, batch: int, s_q: int, h_q: int, layout, topk: int, s_kv: int,
+                         block_size: int, extra: tuple[int, int, int] | None = None, varlen: bool = True,
+                         topk_length: bool = False, extra_topk_length: bool = False, all_invalid: bool = False,
+                         zero_seqlen: bool = False, sink: bool = True, fillers: bool = False, strided_q: bool = True,
+                         oracle_rows: bool = True, device="cpu") -> DecodeCase:
+    """A decode case as FlashMLA's sparse decode tests build it (see _paged_scope), over paged fp8 caches
+    of `layout` (kv_cache.MODEL1 / V32): the main cache (topk, s_kv, block_size) and optionally an extra
+    one (extra = (extra_topk, extra_s_kv, extra_block_size)); NaN bytes in every slot no valid entry
+    selects; q 0.1 N(0, 1) (+ offset) as a view of a wider buffer; sinks with +-inf; sm_scale
+    d_qk ** -0.55. The result's kwargs() / oracle() serve sparse_mla_decode; flashmla_decode_kwargs()
+    the FlashMLA call. oracle_rows=False: no dequantized rows (benchmarks; no oracle())."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    common = dict(batch=batch, s_q=s_q, layout=layout, varlen=varlen, zero_seqlen=zero_seqlen,
+                  all_invalid=all_invalid, fillers=fillers, oracle_rows=oracle_rows, device=device)
+    main, indices, lengths = _paged_scope(gen, s_kv=s_kv, topk=topk, block_size=block_size, lengths=topk_length,
+                                          **common)
+    _poison_unselected_fast(main, indices, lengths)
+    extra_cache = extra_indices = extra_lengths = None
+    if extra is not None:
+        extra_topk, extra_s_kv, extra_block_size = extra
+        extra_cache, extra_indices, extra_lengths = _paged_scope(gen, s_kv=extra_s_kv, topk=extra_topk,
+                                                                 block_size=extra_block_size,
+                                                                 lengths=extra_topk_length, **common)
+        _poison_unselected_fast(extra_cache, extra_indices, extra_lengths)
+    elif extra_topk_length:
+        raise ValueError("extra_topk_length: needs an extra cache (extra=...)")
+    q = _device_normal(gen, (batch, s_q, h_q, layout.d), device).to(torch.bfloat16)
+    if strided_q:
+        q = _strided_view(q)
+    attn_sink = sinks(torch.Generator().manual_seed(seed), h_q).to(device) if sink else None
+    return DecodeCase(q, main, indices, lengths, extra_cache, extra_indices, extra_lengths, attn_sink,
+                      layout.d ** DECODE_SM_SCALE_POWER)
+
+
+def flashmla_decode_kwargs(case: DecodeCase) -> dict:
+    """Keyword arguments of FlashMLA's flash_mla_with_kvcache for `case` besides q, k_cache, block_table,
+    cache_seqlens, head_dim_v and tile_scheduler_metadata."""
+    return dict(softmax_scale=case.sm_scale, causal=False, is_fp8_kvcache=True, indices=case.indices,
+                attn_sink=case.attn_sink, extra_k_cache=None if case.extra is None else case.extra.cache,
+                extra_indices_in_kvcache=case.extra_indices, topk_length=case.topk_length,
+                extra_topk_length=case.extra_topk_length)

@@ -8,12 +8,17 @@ Choices (each logged once per process with its reason, and listed by `kernel_cho
     (vendor/flashmla_sparse_gluon_sm90.py: bf16 on SM90 with 16-byte aligned rows), `triton_portable`
     (vendor/flashmla_sparse.py: float32, other GPUs, the CPU interpreter, rows the Gluon kernel cannot
     read) or `ref` (the float32 oracle);
+    A prefill call that also returns max_logits and natural-log lse (FlashMLA's flash_mla_sparse_fwd,
+    engine.h20_ops.flash_mla) runs the same kernel: each produces both itself (tilelang_sm90 in its
+    with_max_logits variant; run_prefill_kernel_with_max_logits);
   - the decode path of a call (attention/decode.py): `paged_fp8` (a kernel reads the paged fp8 caches
     itself), `gathered` (the rows of both caches are gathered, dequantized if fp8, into one buffer for the
     prefill kernel) or `direct` (one dense cache: the prefill kernel reads it in place).
 
 Conventions adapted here: every backend returns (out in q's dtype, lse fp32 in BASE 2); the Triton
-kernels produce natural-log lse (FlashMLA's contract), converted by one multiply.
+kernels produce natural-log lse (FlashMLA's contract), converted by one multiply. The max_logits calls
+return each kernel's (out, max_logits, natural-log lse) unconverted. A caller's `out` (validated:
+checks.check_out) is written by the prefill kernels themselves; only the oracle's result is copied.
 Arguments reach these functions validated (attention/prefill.py, attention/decode.py: the public boundary).
 """
 
@@ -128,35 +133,67 @@ def prefill_kernel(q: torch.Tensor, kv: torch.Tensor, backend: str | None = None
     return _record(KernelChoice("prefill", "triton_portable", unsupported))
 
 
-def run_prefill_kernel(kernel: str, q, kv, indices, sm_scale: float, d_v: int, attn_sink, topk_length):
-    """Runs one prefill kernel on validated arguments -> (out in q's dtype, lse fp32 base 2)."""
+_TRITON_PREFILL_KERNELS = {"triton_gluon_sm90": "gluon_sm90", "triton_portable": "portable"}
+
+
+def run_prefill_kernel(kernel: str, q, kv, indices, sm_scale: float, d_v: int, attn_sink, topk_length,
+                       out: torch.Tensor | None = None):
+    """Runs one prefill kernel on validated arguments -> (out in q's dtype, lse fp32 base 2). out: a
+    validated [s_q, h_q, d_v] buffer (checks.check_out) that the kernel writes (the oracle's result is
+    copied into it), None: a new one."""
     if kernel == "ref":
         from .reference import sparse_mla_prefill_ref
 
         res = sparse_mla_prefill_ref(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
-        return res.out.to(q.dtype), res.lse * LOG2E
+        return _into(out, res.out.to(q.dtype)), res.lse * LOG2E
     if kernel == "tilelang_sm90":
         module = import_tilelang_module_or_explain(TILELANG_KERNEL_MODULE, "sparse MLA backend 'tilelang'")
-        return module.sparse_mla_fwd_sm90(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+        return module.sparse_mla_fwd_sm90(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out=out)
     from ..vendor.flashmla_sparse import flash_mla_sparse_fwd
 
-    triton_kernel = {"triton_gluon_sm90": "gluon_sm90", "triton_portable": "portable"}[kernel]
     out, _max_logits, lse_natural = flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
-                                                         kernel=triton_kernel)
+                                                         kernel=_TRITON_PREFILL_KERNELS[kernel], out=out)
     return out, lse_natural * LOG2E  # +inf (empty rows) stays +inf
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """result, or result copied into the caller's buffer `out` (a kernel without an output argument)."""
+    return result if out is None else out.copy_(result)
+
+
+def run_prefill_kernel_with_max_logits(kernel: str, q, kv, indices, sm_scale: float, d_v: int, attn_sink,
+                                       topk_length, out: torch.Tensor | None = None):
+    """Runs a kernel of prefill_kernel on validated arguments -> (out in q's dtype, max_logits fp32,
+    lse fp32 NATURAL log), as the kernel produces them (no conversion, no extra launch); out as in
+    run_prefill_kernel."""
+    if kernel == "ref":
+        from .reference import sparse_mla_prefill_ref
+
+        res = sparse_mla_prefill_ref(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+        return _into(out, res.out.to(q.dtype)), res.max_logits, res.lse
+    if kernel == "tilelang_sm90":
+        module = import_tilelang_module_or_explain(TILELANG_KERNEL_MODULE, "sparse MLA backend 'tilelang'")
+        return module.sparse_mla_fwd_sm90_with_max_logits(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
+                                                          out=out)
+    from ..vendor.flashmla_sparse import flash_mla_sparse_fwd
+
+    return flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
+                                kernel=_TRITON_PREFILL_KERNELS[kernel], out=out)
 
 
 # ---------------------------------------------------------------------------------------------
 # decode paths
 # ---------------------------------------------------------------------------------------------
 
-PAGED_FP8_KERNELS = {"tilelang": "tilelang_sm90_paged_fp8"}
+# the kernel of each backend that reads paged fp8 caches itself (either layout, each cache's own page size)
+PAGED_FP8_KERNELS = {"tilelang": "tilelang_sm90_paged_fp8", "triton": "triton_paged_fp8"}
 
 
-def decode_path(q_dtype: torch.dtype, device: torch.device, fp8_layout, same_block_size: bool, has_extra: bool,
-                backend: str | None = None) -> KernelChoice:
+def decode_path(q_dtype: torch.dtype, device: torch.device, fp8_layout, has_extra: bool,
+                backend: str | None = None, *, caches_aligned16: bool = True) -> KernelChoice:
     """The decode path for caches of `fp8_layout` (kv_cache.MODEL1 / V32, or None for dense rows in q's
-    dtype); same_block_size: the two caches' page sizes are equal (or there is one cache)."""
+    dtype). caches_aligned16: every cache's base and block stride are 16-byte aligned (the TileLang paged
+    kernel reads rows by 16-byte cp.async; the layouts themselves need 4 bytes)."""
     backend = backend_of(backend)
     if fp8_layout is None:
         if not has_extra:
@@ -165,16 +202,16 @@ def decode_path(q_dtype: torch.dtype, device: torch.device, fp8_layout, same_blo
         return _record(KernelChoice("decode", f"gathered: {_buffer_kernel(q_dtype, device, backend)}",
                                     "two dense caches: rows gathered into one buffer"))
     paged = PAGED_FP8_KERNELS.get(backend)
-    if paged is not None and fp8_layout.name == "MODEL1" and same_block_size and q_dtype == torch.bfloat16:
-        return _record(KernelChoice("decode", f"paged_fp8: {paged}", f"backend {backend}, MODEL1 fp8 caches"))
+    why = None
     if paged is None:
         why = f"backend {backend} has no paged fp8 kernel"
-    elif fp8_layout.name != "MODEL1":
-        why = f"{paged} reads MODEL1 caches only, got {fp8_layout.name}"
-    elif not same_block_size:
-        why = f"{paged} needs equal page sizes for both caches"
-    else:
+    elif backend == "tilelang" and q_dtype != torch.bfloat16:
         why = f"{paged} is bf16 only, q is {str(q_dtype).removeprefix('torch.')}"
+    elif backend == "tilelang" and not caches_aligned16:
+        why = f"{paged} needs 16-byte aligned cache bases and block strides"
+    if why is None:
+        return _record(KernelChoice("decode", f"paged_fp8: {paged}",
+                                    f"backend {backend}, {fp8_layout.name} fp8 caches"))
     return _record(KernelChoice("decode", f"gathered: {_buffer_kernel(q_dtype, device, backend)}",
                                 f"fp8 rows dequantized into a buffer: {why}"))
 
@@ -192,10 +229,13 @@ def _buffer_kernel(q_dtype: torch.dtype, device: torch.device, backend: str) -> 
 
 
 def run_paged_fp8_kernel(kernel: str, q, cache0, cache1, slot_indices, sm_scale: float, attn_sink, topk_length,
-                         cache_names: tuple[str, str]):
-    """One paged fp8 kernel launch on validated arguments -> (out bf16, lse fp32 base 2)."""
+                         cache_names: tuple[str, str], out: torch.Tensor | None = None):
+    """One paged fp8 kernel launch on validated arguments -> (out bf16, lse fp32 base 2). out: a validated
+    contiguous buffer for the output (the TileLang kernel allocates its own, copied into it), None: a new one."""
     if kernel != "tilelang_sm90_paged_fp8":
         raise ValueError(f"kernel: no paged fp8 kernel named {kernel!r}")
     module = import_tilelang_module_or_explain(TILELANG_PAGED_FP8_MODULE, "sparse MLA backend 'tilelang'")
-    return module.sparse_mla_fwd_sm90_paged_fp8(q, cache0, cache1, slot_indices, sm_scale, attn_sink=attn_sink,
-                                                topk_length=topk_length, cache_names=cache_names)
+    kernel_out, lse = module.sparse_mla_fwd_sm90_paged_fp8(q, cache0, cache1, slot_indices, sm_scale,
+                                                           attn_sink=attn_sink, topk_length=topk_length,
+                                                           cache_names=cache_names)
+    return _into(out, kernel_out), lse

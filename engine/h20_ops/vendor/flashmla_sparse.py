@@ -12,7 +12,8 @@ the stream (griddepcontrol.wait) before touching memory, so their launch overlap
 Contract (FlashMLA since 2026-01; docs/contract.md):
   flash_mla_sparse_fwd(q [s_q, h_q, d_qk], kv [s_kv, 1, d_qk], indices [s_q, 1, topk] or [s_q, topk]
   int32, sm_scale, d_v=512, attn_sink [h_q] fp32 | None, topk_length [s_q] int32 | None)
-  -> (out [s_q, h_q, d_v] in q's dtype, max_logits [s_q, h_q] fp32, lse [s_q, h_q] fp32).
+  -> (out [s_q, h_q, d_v] in q's dtype, max_logits [s_q, h_q] fp32, lse [s_q, h_q] fp32); the caller may
+  pass `out` (contiguous), which the kernel then writes in place.
   Entry j of row i is valid iff 0 <= idx < s_kv and j < topk_length[i]; any other int32 value is a
   filler that is never dereferenced (masked loads; its score is -inf). Duplicates count per occurrence.
   lse is NATURAL log, max_logits in natural scale (sm_scale applied). The sink scales out by
@@ -50,7 +51,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..platform import dependent_launch, require_interpretable_numpy, triton_interprets
-from ..checks import check_sparse_mla_args
+from ..checks import check_out, check_sparse_mla_args
 from . import flashmla_sparse_gluon_sm90
 
 LOG2E = 1.0 / math.log(2.0)
@@ -176,11 +177,12 @@ KERNELS = ("gluon_sm90", "portable")
 def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                          d_v: int = 512, attn_sink: torch.Tensor | None = None,
                          topk_length: torch.Tensor | None = None, *, kernel: str,
-                         config: KernelConfig | None = None):
+                         config: KernelConfig | None = None, out: torch.Tensor | None = None):
     """FlashMLA's sparse prefill forward (see the module header). Returns (out, max_logits, lse);
     lse natural log. kernel: "gluon_sm90" or "portable", as the dispatcher chose it
     (engine.h20_ops.attention.dispatch.prefill_kernel); `config`: the portable kernel's launch
-    parameters (benchmarks), default default_config(q.dtype)."""
+    parameters (benchmarks), default default_config(q.dtype); `out`: a contiguous [s_q, h_q, d_v]
+    tensor in q's dtype that the kernel writes (and that is returned), None: a new one."""
     shape, indices = check_sparse_mla_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
                                            q_dtypes=(torch.bfloat16, torch.float32))
     if not (q.is_cuda or _INTERPRET):
@@ -189,7 +191,10 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     if _INTERPRET:
         require_interpretable_numpy("flash_mla_sparse_fwd")
     s_q, h_q = shape.s_q, shape.h_q
-    out = torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device)
+    else:
+        check_out("out", out, (s_q, h_q, d_v), q.dtype, q.device)
     max_logits = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
     lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
     if s_q == 0:
