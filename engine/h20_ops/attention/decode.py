@@ -161,7 +161,9 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
     if extra_cache is None and plan.splits == 1 and plan.path != "gathered":
         # one cache, no split: the kernel takes the slot ids as they are (it masks ids outside the cache)
         lengths = None if topk_length is None else topk_length.repeat_interleave(s_q)
-        out, lse = _attend(plan, q_rows, cache, None, indices.reshape(n, topk), sm_scale, attn_sink, lengths)
+        rows = indices.reshape(n, topk)  # the kernels read a list with unit stride (a copy only for exotic strides)
+        rows = rows if rows.stride(-1) == 1 or topk == 1 else rows.contiguous()
+        out, lse = _attend(plan, q_rows, cache, None, rows, sm_scale, attn_sink, lengths)
         return AttentionOutput(out.view(batch, s_q, h_q, D_V), lse.view(batch, s_q, h_q))
     lists, slots, q_split = build_decode_lists(indices, topk_length, main.n_slots, extra_indices, extra_topk_length,
                                                0 if extra is None else extra.n_slots, plan.list_len,
