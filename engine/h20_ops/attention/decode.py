@@ -146,6 +146,9 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
     extra, extra_topk = None, 0
     if extra_cache is not None:
         extra = check_decode_cache("extra_cache", extra_cache, q, LAYOUTS)
+        if extra.layout is not main.layout:  # also with a plan, which records the main cache's kind only
+            raise ValueError(f"extra_cache: expected the same kind of cache as cache ({_kind_name(main.layout)}), "
+                             f"got {_kind_name(extra.layout)}")
         extra_topk = check_decode_list("extra_indices", extra_indices, "extra_topk_length", extra_topk_length, q)
     check_sink(attn_sink, h_q)
     if attn_sink is not None and attn_sink.device != q.device:
