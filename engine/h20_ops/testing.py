@@ -4,13 +4,18 @@ Comparator (FlashMLA's rule): an element passes if |got - ref| < abs OR |got - r
 rel; +inf, -inf and NaN positions must match exactly; the cosine distance 1 - 2 sum(g r) / sum(g^2 + r^2)
 over the finite elements (float64) must not exceed `cos`. Tolerances below are FlashMLA's, made for its
 input distribution 0.1 * N(0, 1) (+ an offset), which `normal_inputs` draws; every backend is held to
-them (docs/contract.md "Tolerances" says where a path needs a stated, wider floor and why).
+them (docs/contract.md "Tolerances" says where a path needs a stated, wider floor and why; each such
+floor is a named Tolerance here). `assert_matches_oracle` applies the right ones to an AttentionOutput.
 
-Case generator: decode cases over the caches the decode entry point takes (dense rows or paged fp8
-MODEL1 / V3.2 with their own page sizes, blocks laid out with a stride larger than the block and in a
-random order), with the traps FlashMLA's tests set: invalid fillers (-1, INT_MIN, the slot count,
-INT_MAX), NaN in every cache slot no valid entry selects (NaN e4m3 codes and NaN bf16 RoPE in fp8 caches),
-lengths down to 0 (all-invalid rows), sinks of +-inf, a non-contiguous q.
+Case generators, with the traps FlashMLA's tests set:
+  prefill_case: q, kv rows and absolute indices (prefill and the vendor kernels' contract): invalid
+    fillers (-1, INT_MIN, s_kv, INT_MAX), NaN / +-inf in every kv row no valid entry selects (rows
+    selected only past a row's length included), lengths 0, negative and past topk, sinks of +-inf,
+    strided q / kv / indices views;
+  decode_case: the caches the decode entry point takes (dense rows, or paged fp8 MODEL1 / V3.2 with
+    their own page sizes and block strides padded beyond the block), flat slot ids with the fillers
+    above, NaN in every cache slot no valid entry selects (NaN e4m3 codes and NaN bf16 RoPE in fp8
+    caches), lengths down to 0 (all-invalid rows), sinks of +-inf, a non-contiguous q.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from . import kv_cache
-from .attention.reference import sparse_mla_decode_ref
+from .attention.decode import DecodePlan, plan_sparse_decode, sparse_mla_decode
+from .attention.output import AttentionOutput
+from .attention.reference import RefResult, sparse_mla_decode_ref, sparse_mla_prefill_ref
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 LOG2E = 1.4426950408889634
@@ -38,6 +45,12 @@ PREFILL_STATS = Tolerance(1e-6, 2.01 / 65536)  # lse and max_logits
 DECODE_OUT = Tolerance(1e-3, 2.01 / 128, 5e-6)
 DECODE_LSE = Tolerance(1e-6, 8.01 / 65536)
 EXACT_FP32 = Tolerance(2e-5, 0.0, 1e-10)  # float32 kernels against the float32 oracle
+# float32 arithmetic on values of any magnitude against a float64 computation of the same formula (the
+# split merge's lse reaches |2e4|, where one fp32 ulp is 2^-9): EXACT_FP32, or a few fp32 ulps relative.
+FP32_RELATIVE = Tolerance(EXACT_FP32.abs, 2.0**-20, EXACT_FP32.cos)
+# Unit-variance q / kv (normal_inputs(scale=1.0)): a peaked softmax and outputs ~10x FlashMLA's, where P's
+# bf16 rounding before P.V (on a GPU) shows in the absolute error; the relative and cosine bounds stay.
+PREFILL_OUT_UNIT_VARIANCE = Tolerance(4e-3, PREFILL_OUT.rel, PREFILL_OUT.cos)
 # Triton's interpreter truncates fp32 -> bf16 casts instead of rounding them: twice the rounding error of
 # a GPU, which the cosine bound of bf16 outputs must allow for (per element abs / rel bounds still hold).
 INTERPRETER_BF16_COS = 1.5e-5
@@ -72,10 +85,26 @@ def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, tol: Tolerance
         assert cos_dist <= tol.cos, f"{name}: cosine distance {cos_dist:.3g} > {tol.cos}"
 
 
+def assert_matches_oracle(got: AttentionOutput, ref: RefResult, *, decode: bool, split: bool = False,
+                          name: str = "") -> None:
+    """An entry point's AttentionOutput (out, lse base 2) against the oracle's RefResult (natural lse):
+    float32 outputs to EXACT_FP32, others to FlashMLA's decode or prefill tolerances (out_tolerance:
+    the interpreter's and a split's stated floors)."""
+    prefix = f"{name} " if name else ""
+    if got.out.dtype == torch.float32:
+        out_tol = lse_tol = EXACT_FP32
+    else:
+        out_tol = out_tolerance(DECODE_OUT if decode else PREFILL_OUT, got.out, split=split)
+        lse_tol = DECODE_LSE if decode else PREFILL_STATS
+    assert_close(f"{prefix}out", got.out, ref.out, out_tol)
+    assert_close(f"{prefix}lse_log2", got.lse_log2, ref.lse * LOG2E, lse_tol)
+
+
 def normal_inputs(gen: torch.Generator, *shape: int, scale: float = 0.1, device="cpu") -> torch.Tensor:
-    """scale * N(0, 1) + one random offset in +-scale/2: FlashMLA's test distribution (float32)."""
-    offset = (torch.rand((), generator=gen) - 0.5) * scale
-    return (torch.randn(*shape, generator=gen) * scale + offset).to(device)
+    """scale * N(0, 1) + one random offset in +-scale/2: FlashMLA's test distribution (float32), drawn on
+    the generator's device and moved to `device`."""
+    offset = (torch.rand((), generator=gen, device=gen.device) - 0.5) * scale
+    return (torch.randn(*shape, generator=gen, device=gen.device) * scale + offset).to(device)
 
 
 def random_indices(gen: torch.Generator, rows: int, n_slots: int, topk: int, n_valid: int,
@@ -103,6 +132,92 @@ def sinks(gen: torch.Generator, h_q: int) -> torch.Tensor:
     s[pick == 0] = float("inf")
     s[pick == 1] = float("-inf")
     return s
+
+
+def _length_traps(gen: torch.Generator, rows: int, topk: int) -> torch.Tensor:
+    """[rows] int32 lengths in [0, topk], with row 0 empty (0), row 1 negative and the last past topk."""
+    lengths = torch.randint(0, topk + 1, (rows,), generator=gen, dtype=torch.int32)
+    lengths[0] = 0
+    if rows > 2:
+        lengths[1] = -255  # negative: empty too (such lengths once hung a kernel)
+    if rows > 3:
+        lengths[-1] = topk + 5
+    return lengths
+
+
+def _wide_view(t: torch.Tensor, pad: int, device) -> torch.Tensor:
+    """t's values as a view of a wider buffer on `device` (last dim padded by `pad`): only the last dim
+    stays contiguous (the view is made on the device: moving a view would pack it)."""
+    wide = torch.zeros(*t.shape[:-1], t.shape[-1] + pad, dtype=t.dtype)
+    wide[..., :t.shape[-1]] = t
+    return wide.to(device)[..., :t.shape[-1]]
+
+
+@dataclass
+class PrefillCase:
+    q: torch.Tensor  # [s_q, h_q, d_qk]
+    kv: torch.Tensor  # [s_kv, 1, d_qk] (NaN / +-inf in the rows no valid entry selects)
+    indices: torch.Tensor  # [s_q, topk] int32 absolute rows of kv
+    topk_length: torch.Tensor | None  # [s_q] int32
+    attn_sink: torch.Tensor | None  # [h_q] fp32
+    sm_scale: float
+
+    def kwargs(self) -> dict:
+        """attn_sink and topk_length: keyword arguments of sparse_mla_prefill (and the kernels)."""
+        return dict(attn_sink=self.attn_sink, topk_length=self.topk_length)
+
+    def oracle(self) -> RefResult:
+        return sparse_mla_prefill_ref(self.q, self.kv, self.indices, self.sm_scale, **self.kwargs())
+
+
+def poison_rows(kv: torch.Tensor, indices: torch.Tensor, topk_length: torch.Tensor | None = None) -> torch.Tensor:
+    """A copy of kv [s_kv, 1, d] with NaN (every third +inf, every third -inf) in each row that no valid
+    entry of indices [s_q, (1,) topk] (position < topk_length[i] where given) selects."""
+    s_kv = kv.size(0)
+    idx = indices.reshape(indices.size(0), -1).cpu().long()
+    valid = (idx >= 0) & (idx < s_kv)
+    if topk_length is not None:
+        valid &= torch.arange(idx.size(1))[None, :] < topk_length.cpu().long()[:, None]
+    selected = torch.zeros(s_kv, dtype=torch.bool)
+    selected[idx[valid]] = True
+    unselected = (~selected).nonzero().flatten().to(kv.device)
+    kv = kv.clone()
+    kv[unselected] = float("nan")
+    kv[unselected[::3]] = float("inf")
+    kv[unselected[1::3]] = float("-inf")
+    return kv
+
+
+def prefill_case(seed: int, *, s_q: int, h_q: int, d_qk: int, s_kv: int, topk: int, n_valid: int | None = None,
+                 fillers: tuple[int, ...] | None = None, distinct: bool = True, dtype=torch.bfloat16, device="cpu",
+                 lengths: bool = False, sink: bool = False, poison: bool = True, strided: bool = False,
+                 scale: float = 0.1) -> PrefillCase:
+    """A random prefill case with FlashMLA's traps (module header). n_valid valid entries per row (default
+    topk * 0.8, at most s_kv when distinct) at random positions, the rest `fillers` (default all kinds:
+    fillers_for(s_kv)); from 4 rows on, row 2 has no valid entry; lengths: _length_traps; strided: q, kv and indices are views of wider buffers
+    (row strides stay multiples of 16 elements: the Gluon kernel still takes them); scale: of the
+    normal inputs (0.1: FlashMLA's distribution, for which its tolerances are made)."""
+    gen = torch.Generator().manual_seed(seed)
+    if n_valid is None:
+        n_valid = max(1, int(topk * 0.8))
+    if distinct:
+        n_valid = min(n_valid, s_kv)
+    q = normal_inputs(gen, s_q, h_q, d_qk, scale=scale).to(dtype)
+    kv = normal_inputs(gen, s_kv, 1, d_qk, scale=scale).to(dtype)
+    fillers = fillers or fillers_for(s_kv)
+    indices = random_indices(gen, s_q, s_kv, topk, n_valid, fillers, distinct)
+    if s_q >= 4:  # a row empty by its indices
+        indices[2] = torch.tensor(fillers, dtype=torch.int32)[torch.arange(topk) % len(fillers)]
+    topk_length = _length_traps(gen, s_q, topk) if lengths else None
+    if poison:
+        kv = poison_rows(kv, indices, topk_length)
+    attn_sink = sinks(gen, h_q) if sink else None
+    if strided:
+        q, kv, indices = _wide_view(q, 64, device), _wide_view(kv, 64, device), _wide_view(indices, 16, device)
+    else:
+        q, kv, indices = q.to(device), kv.to(device), indices.to(device)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return PrefillCase(q, kv, indices, to(topk_length), to(attn_sink), d_qk ** -0.5)
 
 
 @dataclass
@@ -189,7 +304,19 @@ class DecodeCase:
                     extra_cache=None if self.extra is None else self.extra.cache, extra_indices=self.extra_indices,
                     extra_topk_length=self.extra_topk_length)
 
-    def oracle(self):
+    def plan(self, num_splits: int | None = None, backend: str | None = None) -> DecodePlan:
+        """plan_sparse_decode for this case's shapes and caches."""
+        b, s_q, h_q, _ = self.q.shape
+        return plan_sparse_decode(self.main.cache, batch=b, s_q=s_q, h_q=h_q, topk=self.indices.size(2),
+                                  q_dtype=self.q.dtype, extra_cache=None if self.extra is None else self.extra.cache,
+                                  extra_topk=0 if self.extra is None else self.extra_indices.size(2),
+                                  num_splits=num_splits, backend=backend)
+
+    def run(self, plan: DecodePlan | None = None) -> AttentionOutput:
+        """sparse_mla_decode on this case."""
+        return sparse_mla_decode(self.q, self.main.cache, self.indices, self.sm_scale, plan=plan, **self.kwargs())
+
+    def oracle(self) -> RefResult:
         """The float32 reference on the same rows: RefResult(out [B, s_q, h_q, 512], max_logits, lse natural)."""
         to = self.q.device
         return sparse_mla_decode_ref(
