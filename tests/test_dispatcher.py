@@ -423,11 +423,14 @@ def test_prefill_kernel_for_the_tensors_at_hand(monkeypatch, caplog):
     """On an SM90 GPU bf16 with 16-byte aligned rows gets the Gluon kernel; float32, another GPU, and rows
     16-byte cp.async cannot read (a start or a row stride off 16 bytes) get the portable Triton kernel,
     each reason logged once however often it recurs."""
+    from engine.h20_ops.vendor import flashmla_sparse_gluon_sm90 as gluon
+
     dispatch.reset_resolution_for_tests()
-    monkeypatch.setattr(dispatch, "triton_interprets", lambda: False)
+    monkeypatch.setattr(gluon, "triton_interprets", lambda: False)
     capability = {"value": (9, 0)}
-    monkeypatch.setattr(dispatch, "cuda_capability", lambda device: capability["value"])
+    monkeypatch.setattr(gluon, "cuda_capability", lambda device: capability["value"])
     bf16, fp32 = torch.bfloat16, torch.float32
+    cost = "the portable kernel takes them, ~1.5x slower"
     kv = _CudaTensorStandIn(bf16, (576, 576, 1))
     cases = [  # q, kv, (9, 0) or another capability -> kernel, reason
         (_CudaTensorStandIn(bf16, (64 * 576, 576, 1)), kv, (9, 0), "triton_gluon_sm90",
@@ -436,14 +439,12 @@ def test_prefill_kernel_for_the_tensors_at_hand(monkeypatch, caplog):
          "q is float32 (the Gluon kernel is bf16 only)"),
         (_CudaTensorStandIn(bf16, (64 * 576, 576, 1)), kv, (8, 0), "triton_portable", "GPU sm_80 is not SM90"),
         (_CudaTensorStandIn(bf16, (64 * 584, 584, 1)), kv, (9, 0), "triton_portable",
-         "q / kv rows not 16-byte aligned (row strides (37376, 584, 576) elements, data_ptr % 16 = 0 / 0): "
-         "~1.5x slower"),
+         f"q / kv rows not 16-byte aligned (row strides (37376, 584, 576) elements, data_ptr % 16 = 0 / 0; {cost})"),
         (_CudaTensorStandIn(bf16, (64 * 576, 576, 1), data_ptr=8), kv, (9, 0), "triton_portable",
-         "q / kv rows not 16-byte aligned (row strides (36864, 576, 576) elements, data_ptr % 16 = 8 / 0): "
-         "~1.5x slower"),
+         f"q / kv rows not 16-byte aligned (row strides (36864, 576, 576) elements, data_ptr % 16 = 8 / 0; {cost})"),
         (_CudaTensorStandIn(bf16, (64 * 576, 576, 1)), _CudaTensorStandIn(bf16, (584, 584, 1)), (9, 0),
-         "triton_portable", "q / kv rows not 16-byte aligned (row strides (36864, 576, 584) elements, "
-                            "data_ptr % 16 = 0 / 0): ~1.5x slower"),
+         "triton_portable", f"q / kv rows not 16-byte aligned (row strides (36864, 576, 584) elements, "
+                            f"data_ptr % 16 = 0 / 0; {cost})"),
     ]
     with caplog.at_level(logging.INFO, logger=dispatch.__name__):
         for _ in range(2):

@@ -287,6 +287,19 @@ def test_bad_input_raises_naming_the_argument(change, error, match):
         flash_mla_sparse_fwd(**args)
 
 
+def test_the_gluon_kernel_refuses_tensors_it_cannot_run():
+    """kernel='gluon_sm90' is refused by name, with the reason, for tensors that kernel cannot run (here:
+    Triton's interpreter or CPU tensors, float32), instead of failing inside Triton."""
+    args = _valid_args() | dict(kernel="gluon_sm90")
+    with pytest.raises(ValueError, match="^kernel: 'gluon_sm90' cannot run these tensors"):
+        flash_mla_sparse_fwd(**(args | dict(q=args["q"].float(), kv=args["kv"].float())))
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match=r"^kernel: 'gluon_sm90' cannot run these tensors: Triton's interpreter"):
+            flash_mla_sparse_fwd(**args)
+        with pytest.raises(ValueError, match=r"^kernel: 'gluon_sm90' cannot run these tensors"):
+            flash_mla_sparse_fwd(**(args | dict(q=args["q"][:0], indices=args["indices"][:0])))
+
+
 @pytest.mark.gpu
 def test_cpu_tensors_rejected_on_gpu_machine():
     args = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in _valid_args().items()}

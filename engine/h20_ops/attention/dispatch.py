@@ -98,31 +98,15 @@ def reset_resolution_for_tests() -> None:
 # prefill kernels
 # ---------------------------------------------------------------------------------------------
 
-def _gluon_unsupported(q: torch.Tensor, kv: torch.Tensor) -> str | None:
-    """Why the Gluon SM90 kernel cannot take (q, kv), or None: it is built for bf16 on an SM90 GPU and
-    reads rows by 16-byte cp.async, which needs 16-byte aligned q / kv pointers and row strides that are
-    multiples of 16 elements (Triton's JIT specializes on that; without it the kernel does not compile)."""
-    if triton_interprets() or not q.is_cuda:
-        return "Triton's interpreter (no CUDA device)"
-    if q.dtype != torch.bfloat16:
-        return f"q is {str(q.dtype).removeprefix('torch.')} (the Gluon kernel is bf16 only)"
-    capability = cuda_capability(q.device)
-    if capability != (9, 0):
-        return f"GPU sm_{capability[0]}{capability[1]} is not SM90"
-    strides = (q.stride(0), q.stride(1), kv.stride(0))
-    if any(s % 16 for s in strides) or q.data_ptr() % 16 or kv.data_ptr() % 16:
-        return (f"q / kv rows not 16-byte aligned (row strides {strides} elements, data_ptr % 16 = "
-                f"{q.data_ptr() % 16} / {kv.data_ptr() % 16}): ~1.5x slower")
-    return None
-
-
 def prefill_kernel(q: torch.Tensor, kv: torch.Tensor, backend: str | None = None) -> KernelChoice:
     """The kernel that runs sparse MLA prefill on (q, kv) with `backend` (None: the process's)."""
     backend = backend_of(backend)
     if backend in ("ref", "tilelang"):
         reason = (backend_resolution().reason if backend == resolve_backend() else f"backend={backend!r}")
         return _record(KernelChoice("prefill", "ref" if backend == "ref" else "tilelang_sm90", reason))
-    unsupported = _gluon_unsupported(q, kv)
+    from ..vendor.flashmla_sparse_gluon_sm90 import unsupported as gluon_unsupported
+
+    unsupported = gluon_unsupported(q, kv)
     if unsupported is None:
         return _record(KernelChoice("prefill", "triton_gluon_sm90", "bf16 on SM90, 16-byte aligned rows"))
     return _record(KernelChoice("prefill", "triton_portable", unsupported))
