@@ -28,16 +28,16 @@ from engine.h20_ops.testing import (LOG2E, PREFILL_OUT, PREFILL_STATS, assert_cl
 DEVICE = "cuda"
 
 CASES = {
-    # name: prefill_case arguments
-    "prefill distinct top-k": dict(s_q=64, s_kv=2048, h_q=64, d_qk=512, topk=512),
-    "prefill duplicate top-k": dict(s_q=64, s_kv=2048, h_q=128, d_qk=576, topk=512, distinct=False),
-    "decode s_q=1": dict(s_q=1, s_kv=4096, h_q=64, d_qk=512, topk=512),
-    "odd s_q=7": dict(s_q=7, s_kv=2048, h_q=128, d_qk=512, topk=1024),
-    "short kv < topk": dict(s_q=32, s_kv=200, h_q=64, d_qk=576, topk=512, distinct=False),
-    "with topk_length": dict(s_q=48, s_kv=2048, h_q=64, d_qk=512, topk=640, lengths=True),
-    "with attn_sink": dict(s_q=48, s_kv=2048, h_q=128, d_qk=512, topk=512, sink=True),
-    "every trap, strided": dict(s_q=300, s_kv=4096, h_q=128, d_qk=576, topk=2048, lengths=True, sink=True,
-                                strided=True),
+    # name: prefill_case arguments (a tenth of each list fillers where topk <= s_kv)
+    "prefill distinct top-k": dict(s_q=64, s_kv=2048, h_q=64, d_qk=512, topk=512, n_valid=460),
+    "prefill duplicate top-k": dict(s_q=64, s_kv=2048, h_q=128, d_qk=576, topk=512, n_valid=460, distinct=False),
+    "decode s_q=1": dict(s_q=1, s_kv=4096, h_q=64, d_qk=512, topk=512, n_valid=460),
+    "odd s_q=7": dict(s_q=7, s_kv=2048, h_q=128, d_qk=512, topk=1024, n_valid=920),
+    "short kv < topk": dict(s_q=32, s_kv=200, h_q=64, d_qk=576, topk=512),
+    "with topk_length": dict(s_q=48, s_kv=2048, h_q=64, d_qk=512, topk=640, n_valid=576, topk_length=True),
+    "with attn_sink": dict(s_q=48, s_kv=2048, h_q=128, d_qk=512, topk=512, n_valid=460, sink=True),
+    "every trap": dict(s_q=300, s_kv=4096, h_q=128, d_qk=576, topk=2048, n_valid=1800, topk_length=True, sink=True,
+                       all_invalid=True),
 }
 
 

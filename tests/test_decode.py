@@ -54,8 +54,9 @@ def launches(monkeypatch):
     record(decode, "build_decode_lists", "lists", lambda *a, **k: k)
     record(kv_cache, "gather_dequant", "gathers", lambda cache, slots, out: slots.shape)
     record(dispatch, "run_prefill_kernel", "kernel",
-           lambda kernel, q, kv, indices, *rest: dict(kernel=kernel, q=q, kv=kv, indices=indices, lengths=rest[-1]))
-    record(decode, "merge_splits", "merge", lambda parts, lse, splits, sink, dtype: splits)
+           lambda kernel, q, kv, indices, sm_scale, d_v, sink, lengths, *out: dict(kernel=kernel, q=q, kv=kv,
+                                                                                   indices=indices, lengths=lengths))
+    record(decode, "merge_splits", "merge", lambda parts, lse, splits, *rest: splits)
     return calls
 
 
@@ -489,12 +490,19 @@ def _tilelang():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 3, None])
-@pytest.mark.parametrize("batch,s_q,h_q,block_pad", [(3, 2, 64, 0), (40, 1, 128, 2), (128, 1, 64, 0)])
-def test_paged_fp8_matches_oracle(batch, s_q, h_q, block_pad, splits):
-    """The paged fp8 path (one list launch, the TileLang kernel reading both MODEL1 caches) at model sizes,
-    with fillers, NaN codes in unselected slots, lengths, sinks and padded block strides."""
+@pytest.mark.parametrize("batch,s_q,h_q,layout,block_sizes,block_pad", [
+    (3, 2, 64, kv_cache.MODEL1, (64, 64), 0),
+    (40, 1, 128, kv_cache.MODEL1, (64, 2), 2),  # unequal page sizes, padded block strides
+    (128, 1, 64, kv_cache.MODEL1, (64, 64), 0),
+    (4, 2, 128, kv_cache.V32, (61, 69), 1),  # DeepSeek-V3.2's layout, odd page sizes
+])
+def test_paged_fp8_matches_oracle(batch, s_q, h_q, layout, block_sizes, block_pad, splits):
+    """The paged fp8 path (one list launch, the TileLang kernel reading both fp8 caches, each with its own
+    page size) at model sizes, with fillers, NaN codes in unselected slots, lengths, sinks and padded block
+    strides."""
     _tilelang()
-    case = _model_case(batch * 10 + s_q, batch, s_q, h_q, block_pad=block_pad)
+    case = _model_case(batch * 10 + s_q, batch, s_q, h_q, layout=layout, block_sizes=block_sizes,
+                       block_pad=block_pad)
     plan = case.plan(num_splits=splits, backend="tilelang")
     assert plan.path == "paged_fp8" and plan.kernel == "tilelang_sm90_paged_fp8"
     assert_matches_oracle(case.run(plan), case.oracle(), decode=True, split=plan.splits > 1)
@@ -522,19 +530,22 @@ def test_paged_fp8_equals_the_gathered_path(monkeypatch, batch, s_q, lengths, sp
 @pytest.mark.parametrize("name,args", [
     ("dense one cache", dict(layout=None, extra_topk=0, topk=640)),
     ("dense two caches", dict(layout=None)),
-    ("MODEL1 pages 64 / 2", dict(block_sizes=(64, 2))),  # unequal page sizes: gathered on every backend
+    ("MODEL1 pages 64 / 2", dict(block_sizes=(64, 2))),
     ("V32 pages 61 / 69, padded", dict(layout=kv_cache.V32, block_sizes=(61, 69), block_pad=3)),
 ])
 def test_decode_at_model_sizes_matches_oracle(backend, name, args):
-    """Each backend's buffer kernels at real sizes (bf16: Triton's Gluon kernel on SM90, TileLang's
-    tilelang_sm90), the automatic split included."""
+    """Each backend's paths at real sizes (bf16: Triton's Gluon kernel on SM90 over dense caches and
+    gathered fp8 rows; TileLang's tilelang_sm90 over dense caches, its paged fp8 kernel over fp8 ones),
+    the automatic split included."""
     if backend == "tilelang":
         _tilelang()
     for batch, s_q, h_q in ((4, 2, 128), (64, 1, 64)):
         case = _model_case(len(name) + batch, batch, s_q, h_q, **args)
         for splits in (1, None):
             plan = case.plan(num_splits=splits, backend=backend)
-            assert plan.path == ("direct" if name == "dense one cache" else "gathered")
+            fp8 = args.get("layout", kv_cache.MODEL1) is not None
+            assert plan.path == ("direct" if name == "dense one cache" else
+                                 "paged_fp8" if fp8 and backend == "tilelang" else "gathered")
             if backend == "triton" and torch.cuda.get_device_capability() == (9, 0):
                 assert plan.kernel == "triton_gluon_sm90"
             assert_matches_oracle(case.run(plan), case.oracle(), decode=True, split=plan.splits > 1,

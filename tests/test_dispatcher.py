@@ -310,7 +310,7 @@ def test_decode_entry_validates_its_backend():
     cache = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, 1, 16, "cpu")
     for call in (lambda: ops.plan_sparse_decode(cache, batch=1, s_q=1, h_q=64, topk=1, q_dtype=torch.bfloat16,
                                                 backend="TileLang"),
-                 lambda: dispatch.decode_path(torch.bfloat16, cache.device, kv_cache.MODEL1, True, False, "bogus")):
+                 lambda: dispatch.decode_path(torch.bfloat16, cache.device, kv_cache.MODEL1, False, "bogus")):
         with pytest.raises(ValueError, match="^backend: expected one of ref, triton, tilelang or None, got"):
             call()
     with pytest.raises(ValueError, match="^kernel: no paged fp8 kernel named 'triton_portable'"):
@@ -470,32 +470,30 @@ def test_auto_is_triton_on_a_gpu_that_is_not_sm90(fresh_process, capability, bac
 
 
 def test_decode_path_reasons(monkeypatch):
-    """Each decode path with the reason it is chosen (the paged fp8 kernel: TileLang's, MODEL1 caches of
-    one page size, bf16 q), and the buffer kernel that goes with it."""
+    """Each decode path with the reason it is chosen (the paged fp8 kernel: TileLang's, either fp8 layout,
+    bf16 q), and the buffer kernel that goes with it."""
     dispatch.reset_resolution_for_tests()
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.setattr(dispatch, "triton_interprets", lambda: False)
     monkeypatch.setattr(dispatch, "cuda_capability", lambda device: (9, 0) if device.type == "cuda" else None)
     bf16, fp32, m1, v32 = torch.bfloat16, torch.float32, kv_cache.MODEL1, kv_cache.V32
-    cases = [  # (q dtype, device, layout, same page size, extra cache, backend) -> kernel, reason
-        ((bf16, cpu, None, True, False, "triton"), "direct: triton_portable", "one dense cache, read in place"),
-        ((bf16, cuda, None, True, False, "triton"), "direct: triton_gluon_sm90", "one dense cache, read in place"),
-        ((fp32, cuda, None, True, True, "triton"), "gathered: triton_portable",
+    cases = [  # (q dtype, device, layout, extra cache, backend) -> kernel, reason
+        ((bf16, cpu, None, False, "triton"), "direct: triton_portable", "one dense cache, read in place"),
+        ((bf16, cuda, None, False, "triton"), "direct: triton_gluon_sm90", "one dense cache, read in place"),
+        ((fp32, cuda, None, True, "triton"), "gathered: triton_portable",
          "two dense caches: rows gathered into one buffer"),
-        ((bf16, cuda, None, True, True, "ref"), "gathered: ref", "two dense caches: rows gathered into one buffer"),
-        ((bf16, cuda, m1, True, True, "triton"), "gathered: triton_gluon_sm90",
+        ((bf16, cuda, None, True, "ref"), "gathered: ref", "two dense caches: rows gathered into one buffer"),
+        ((bf16, cuda, m1, True, "triton"), "gathered: triton_gluon_sm90",
          "fp8 rows dequantized into a buffer: backend triton has no paged fp8 kernel"),
-        ((bf16, cuda, m1, True, True, "tilelang"), "paged_fp8: tilelang_sm90_paged_fp8",
+        ((bf16, cuda, v32, False, "ref"), "gathered: ref",
+         "fp8 rows dequantized into a buffer: backend ref has no paged fp8 kernel"),
+        ((bf16, cuda, m1, True, "tilelang"), "paged_fp8: tilelang_sm90_paged_fp8", "backend tilelang, MODEL1 fp8 caches"),
+        ((bf16, cuda, m1, False, "tilelang"), "paged_fp8: tilelang_sm90_paged_fp8",
          "backend tilelang, MODEL1 fp8 caches"),
-        ((bf16, cuda, m1, True, False, "tilelang"), "paged_fp8: tilelang_sm90_paged_fp8",
-         "backend tilelang, MODEL1 fp8 caches"),
-        ((bf16, cuda, v32, True, True, "tilelang"), "gathered: tilelang_sm90",
-         "fp8 rows dequantized into a buffer: tilelang_sm90_paged_fp8 reads MODEL1 caches only, got V32"),
-        ((bf16, cuda, m1, False, True, "tilelang"), "gathered: tilelang_sm90",
-         "fp8 rows dequantized into a buffer: tilelang_sm90_paged_fp8 needs equal page sizes for both caches"),
-        ((fp32, cuda, m1, True, True, "tilelang"), "gathered: tilelang_sm90",
+        ((bf16, cuda, v32, True, "tilelang"), "paged_fp8: tilelang_sm90_paged_fp8", "backend tilelang, V32 fp8 caches"),
+        ((fp32, cuda, m1, True, "tilelang"), "gathered: tilelang_sm90",
          "fp8 rows dequantized into a buffer: tilelang_sm90_paged_fp8 is bf16 only, q is float32"),
-        ((bf16, cuda, None, True, False, "tilelang"), "direct: tilelang_sm90", "one dense cache, read in place"),
+        ((bf16, cuda, None, False, "tilelang"), "direct: tilelang_sm90", "one dense cache, read in place"),
     ]
     for args, kernel, reason in cases:
         assert dispatch.decode_path(*args) == dispatch.KernelChoice("decode", kernel, reason), args

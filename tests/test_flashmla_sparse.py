@@ -3,9 +3,9 @@
 The same matrix runs on CPU (Triton interpreter: the portable kernel) or, when CUDA is present, on the
 GPU with bf16 tensor-core dots (on SM90 the Gluon kernel for bf16 with aligned rows, as the dispatcher
 chooses; the portable kernel is checked there by its own GPU tests below). The comparator and the
-tolerances are engine.h20_ops.testing's (FlashMLA's own: out abs 8e-4 or rel 3.01/128 per element and
-cosine distance <= 7e-6; lse and max_logits abs 1e-6 or rel 2.01/65536; +inf/-inf/NaN positions exact),
-on its input distribution (testing.normal_inputs).
+tolerances are engine.h20_ops.testing's (FlashMLA's own, docs/contract.md "Tolerances": out abs 8e-4 or
+rel 3.01/128 per element and cosine distance <= 7e-6; lse and max_logits abs 1e-6 or rel 2.01/65536;
++inf/-inf/NaN positions exact), on its input distribution (testing.normal_inputs).
 """
 
 from __future__ import annotations

@@ -20,17 +20,18 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("backend", ["ref", "triton"])
 def test_prefill_matches_oracle(backend, dtype):
     """A packed batch's tokens in one call, every trap at once, 2-D and [s_q, 1, topk] indices."""
-    case = prefill_case(11, s_q=9, h_q=64, d_qk=576, s_kv=70, topk=48, dtype=dtype, device=DEVICE, lengths=True,
-                        sink=True, strided=True)
+    case = prefill_case(11, s_q=9, h_q=64, d_qk=576, s_kv=70, topk=48, n_valid=36, dtype=dtype, device=DEVICE,
+                        topk_length=True, all_invalid=True, sink=True)
     ref = case.oracle()
-    for indices in (case.indices, case.indices[:, None, :]):
+    for indices in (case.indices, case.indices[:, 0]):
         res = ops.sparse_mla_prefill(case.q, case.kv, indices, case.sm_scale, backend=backend, **case.kwargs())
         assert isinstance(res, ops.AttentionOutput)
         assert res.out.dtype == dtype and res.out.shape == (9, 64, 512)
         assert res.lse_log2.dtype == torch.float32 and res.lse_log2.shape == (9, 64)
         assert_matches_oracle(res, ref, decode=False)
-    # rows 0 (length 0), 1 (a negative length) and 2 (fillers only) are empty: out 0, lse +inf
-    assert bool((res.out[:3] == 0).all()) and bool(torch.isposinf(res.lse_log2[:3]).all())
+    # rows 0 and 3 (fillers only), 1 (a negative length) are empty: out 0, lse +inf
+    empty = [0, 1, 3]
+    assert bool((res.out[empty] == 0).all()) and bool(torch.isposinf(res.lse_log2[empty]).all())
 
 
 @pytest.mark.parametrize("backend", ["ref", "triton"])
@@ -44,8 +45,8 @@ def test_prefill_of_no_query(backend):
 @pytest.mark.parametrize("backend", ["ref", "triton"])
 def test_prefill_errors_name_the_argument(backend):
     case = prefill_case(14, s_q=3, h_q=64, d_qk=512, s_kv=16, topk=8, dtype=torch.float32, device=DEVICE,
-                        lengths=True, sink=True)
-    q, kv, idx = case.q, case.kv, case.indices
+                        topk_length=True, sink=True)
+    q, kv, idx = case.q, case.kv, case.indices[:, 0]
     cases = [
         (TypeError, "^q: expected a torch.Tensor", dict(q=None)),
         (TypeError, "^q: expected dtype", dict(q=q.half())),
@@ -112,8 +113,8 @@ def test_prefill_at_model_sizes_matches_oracle(backend, h_q, d_qk, topk):
         pytest.importorskip("tilelang")
         if not _on_sm90():
             pytest.skip("the TileLang kernels are built for SM90")
-    case = prefill_case(h_q + topk, s_q=300, h_q=h_q, d_qk=d_qk, s_kv=4096, topk=topk, device="cuda", lengths=True,
-                        sink=True, strided=True)
+    case = prefill_case(h_q + topk, s_q=300, h_q=h_q, d_qk=d_qk, s_kv=4096, topk=topk, n_valid=topk * 9 // 10,
+                        device="cuda", topk_length=True, all_invalid=True, sink=True)
     res = ops.sparse_mla_prefill(case.q, case.kv, case.indices, case.sm_scale, backend=backend, **case.kwargs())
     assert_matches_oracle(res, case.oracle(), decode=False)
     if backend == "triton" and _on_sm90():

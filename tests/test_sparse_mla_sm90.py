@@ -159,9 +159,11 @@ def test_rejects_unsupported_shapes(h_q, d_qk, bad):
 
 
 def _case(s_q, s_kv, h_q, d_qk, topk, *, seed, dup=False, lengths=False, sink=False, strided=False, **kwargs):
-    """testing.prefill_case on the GPU; dup: entries drawn with repetition (duplicates count per occurrence)."""
+    """testing.prefill_case on the GPU, a fifth of each list fillers (n_valid); dup: entries drawn with
+    repetition (duplicates count per occurrence); every third row all fillers."""
+    kwargs = dict(n_valid=max(1, topk * 4 // 5), all_invalid=True) | kwargs
     return prefill_case(seed, s_q=s_q, h_q=h_q, d_qk=d_qk, s_kv=s_kv, topk=topk, distinct=not dup, device="cuda",
-                        lengths=lengths, sink=sink, strided=strided, **kwargs)
+                        topk_length=lengths, sink=sink, strided=strided, **kwargs)
 
 
 def _check_against_oracle(case):
@@ -224,7 +226,7 @@ def test_all_invalid_and_zero_lengths():
     case.indices.fill_(-1)
     out, lse = importlib.import_module(MODULE).sparse_mla_fwd_sm90(case.q, case.kv, case.indices, 0.05)
     assert torch.all(out == 0) and torch.all(lse == float("inf"))
-    case = _case(9, 128, 64, 512, 128, seed=4, n_valid=128, sink=True)
+    case = _case(9, 128, 64, 512, 128, seed=4, n_valid=128, sink=True, all_invalid=False)
     zero = torch.zeros(9, dtype=torch.int32, device="cuda")
     out, lse = importlib.import_module(MODULE).sparse_mla_fwd_sm90(case.q, case.kv, case.indices, 0.05, 512,
                                                                    case.attn_sink, zero)
@@ -235,8 +237,8 @@ def test_all_invalid_and_zero_lengths():
 def test_nan_sink_and_nan_rows():
     """A NaN sink leaves empty rows 0 / lse +inf (negative lengths are empty too); a NaN in a row that
     a query selects makes its out and lse NaN, as in the oracle, not an empty row's +inf."""
-    case = _case(6, 128, 64, 512, 128, seed=5, n_valid=128, poison=False)
-    q, kv, idx = case.q, case.kv, case.indices
+    case = _case(6, 128, 64, 512, 128, seed=5, n_valid=128, poison=False, all_invalid=False)
+    q, kv, idx = case.q, case.kv, case.indices[:, 0]
     sink = torch.randn(64, device="cuda")
     sink[3] = float("nan")
     lengths = torch.tensor([128, 128, 0, -255, -2**31, 128], dtype=torch.int32, device="cuda")

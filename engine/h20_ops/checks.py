@@ -42,6 +42,21 @@ def require_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {t.stride()}")
 
 
+def check_out(name: str, out, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    """A caller's output buffer: a contiguous tensor of exactly `shape` and `dtype` on `device` (the
+    kernels write it in place)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype} (q's), got {out.dtype}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(out.shape)}")
+    if out.device != device:
+        raise ValueError(f"{name}: expected device {device} (same as q), got {out.device}")
+    if not out.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {out.stride()}")
+
+
 def require_scale(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a python float, got {type(value).__name__}")
@@ -164,6 +179,17 @@ def check_decode_cache(name: str, cache, q: torch.Tensor, layouts) -> DecodeCach
         if cache.size(0) < 1 or cache.size(1) < 1:
             raise ValueError(f"{name}: expected num_blocks >= 1 and block_size >= 1, got shape {tuple(cache.shape)}")
         layout = by_bytes[cache.size(3)]
+        # the layout's rules (engine.h20_ops.kv_cache.fp8): whole tokens contiguous, blocks that do not
+        # overlap, fp32 scales / bf16 RoPE words 4-byte aligned in every block
+        if cache.stride(3) != 1 or cache.stride(1) != layout.bytes_per_token:
+            raise ValueError(f"{name}: expected token stride {layout.bytes_per_token} and a contiguous last dim "
+                             f"({layout.name}), got strides {cache.stride()}")
+        if cache.size(0) > 1 and cache.stride(0) < cache.size(1) * layout.bytes_per_token:
+            raise ValueError(f"{name}: block stride {cache.stride(0)} overlaps blocks of {cache.size(1)} tokens "
+                             f"({layout.bytes_per_token} B each)")
+        if cache.stride(0) % 4 or cache.data_ptr() % 4:
+            raise ValueError(f"{name}: expected a 4-byte aligned base and block stride, got data_ptr % 4 = "
+                             f"{cache.data_ptr() % 4}, strides {cache.stride()}")
         if q.size(3) != layout.d:
             raise ValueError(f"q: expected d_qk {layout.d} ({name} holds {layout.name} rows), got shape "
                              f"{tuple(q.shape)}")

@@ -7,15 +7,18 @@ input distribution 0.1 * N(0, 1) (+ an offset), which `normal_inputs` draws; eve
 them (docs/contract.md "Tolerances" says where a path needs a stated, wider floor and why; each such
 floor is a named Tolerance here). `assert_matches_oracle` applies the right ones to an AttentionOutput.
 
-Case generators, with the traps FlashMLA's tests set:
-  prefill_case: q, kv rows and absolute indices (prefill and the vendor kernels' contract): invalid
-    fillers (-1, INT_MIN, s_kv, INT_MAX), NaN / +-inf in every kv row no valid entry selects (rows
-    selected only past a row's length included), lengths 0, negative and past topk, sinks of +-inf,
-    strided q / kv / indices views;
+Case generators, with the traps FlashMLA's tests set (and a few more), all drawn by normal_inputs:
+  prefill_case: q, kv rows and absolute indices as FlashMLA's prefill tests build them (prefill, the
+    vendor kernels and engine.h20_ops.flash_mla): fillers of every kind (PREFILL_FILLERS and s_kv) at
+    random positions, NaN / +-inf in every kv row no valid entry selects (rows selected only past a
+    row's length included), lengths 0, negative and past topk, all-invalid rows, duplicates, sinks of
+    +-inf, strided q / kv / indices views;
   decode_case: the caches the decode entry point takes (dense rows, or paged fp8 MODEL1 / V3.2 with
-    their own page sizes and block strides padded beyond the block), flat slot ids with the fillers
-    above, NaN in every cache slot no valid entry selects (NaN e4m3 codes and NaN bf16 RoPE in fp8
-    caches), lengths down to 0 (all-invalid rows), sinks of +-inf, a non-contiguous q.
+    their own page sizes and block strides padded beyond the block), flat slot ids with fillers of
+    every kind, NaN in every cache slot no valid entry selects (poison_unselected: NaN e4m3 codes and
+    NaN bf16 RoPE in fp8 caches), lengths down to 0 (all-invalid rows), sinks of +-inf, a strided q;
+  flashmla_decode_case: a decode case as FlashMLA's sparse decode tests build it (per-request pages of
+    paged fp8 caches), for engine.h20_ops.flash_mla and the FlashMLA side-by-side benchmark.
 """
 
 from __future__ import annotations
@@ -134,30 +137,28 @@ def sinks(gen: torch.Generator, h_q: int) -> torch.Tensor:
     return s
 
 
-def _length_traps(gen: torch.Generator, rows: int, topk: int) -> torch.Tensor:
-    """[rows] int32 lengths in [0, topk], with row 0 empty (0), row 1 negative and the last past topk."""
-    lengths = torch.randint(0, topk + 1, (rows,), generator=gen, dtype=torch.int32)
-    lengths[0] = 0
-    if rows > 2:
-        lengths[1] = -255  # negative: empty too (such lengths once hung a kernel)
-    if rows > 3:
-        lengths[-1] = topk + 5
-    return lengths
+# ---------------------------------------------------------------------------------------------
+# prefill cases
+# ---------------------------------------------------------------------------------------------
+
+# FlashMLA's prefill fillers: every one is invalid (out of [0, s_kv) or negative); s_kv is added per case
+PREFILL_FILLERS = (INT32_MIN, -123456, -1, 114514, 1919810, 2147480000, INT32_MAX)
+PREFILL_SM_SCALE = 0.5  # FlashMLA's prefill tests
 
 
-def _wide_view(t: torch.Tensor, pad: int, device) -> torch.Tensor:
-    """t's values as a view of a wider buffer on `device` (last dim padded by `pad`): only the last dim
-    stays contiguous (the view is made on the device: moving a view would pack it)."""
-    wide = torch.zeros(*t.shape[:-1], t.shape[-1] + pad, dtype=t.dtype)
-    wide[..., :t.shape[-1]] = t
-    return wide.to(device)[..., :t.shape[-1]]
+def _strided_view(t: torch.Tensor, pad: int = 64) -> torch.Tensor:
+    """t as a view of a wider buffer on t's device (last dim padded by `pad`): equal values, rows strided.
+    With pad a multiple of 16 elements the row strides stay 16-byte aligned (the Gluon kernel takes them)."""
+    wide = torch.zeros((*t.shape[:-1], t.size(-1) + pad), dtype=t.dtype, device=t.device)
+    wide[..., :t.size(-1)] = t
+    return wide[..., :t.size(-1)]
 
 
 @dataclass
 class PrefillCase:
-    q: torch.Tensor  # [s_q, h_q, d_qk]
-    kv: torch.Tensor  # [s_kv, 1, d_qk] (NaN / +-inf in the rows no valid entry selects)
-    indices: torch.Tensor  # [s_q, topk] int32 absolute rows of kv
+    q: torch.Tensor  # [s_q, h_q, d_qk] (non-contiguous when asked)
+    kv: torch.Tensor  # [s_kv, 1, d_qk]; NaN / +-inf in every row no valid entry selects, when poisoned
+    indices: torch.Tensor  # [s_q, 1, topk] int32 absolute rows of kv
     topk_length: torch.Tensor | None  # [s_q] int32
     attn_sink: torch.Tensor | None  # [h_q] fp32
     sm_scale: float
@@ -167,20 +168,21 @@ class PrefillCase:
         return dict(attn_sink=self.attn_sink, topk_length=self.topk_length)
 
     def oracle(self) -> RefResult:
-        return sparse_mla_prefill_ref(self.q, self.kv, self.indices, self.sm_scale, **self.kwargs())
+        """RefResult(out [s_q, h_q, 512], max_logits, lse natural) of the float32 oracle on the same inputs."""
+        return sparse_mla_prefill_ref(self.q.float(), self.kv.float(), self.indices, self.sm_scale, **self.kwargs())
 
 
 def poison_rows(kv: torch.Tensor, indices: torch.Tensor, topk_length: torch.Tensor | None = None) -> torch.Tensor:
     """A copy of kv [s_kv, 1, d] with NaN (every third +inf, every third -inf) in each row that no valid
     entry of indices [s_q, (1,) topk] (position < topk_length[i] where given) selects."""
     s_kv = kv.size(0)
-    idx = indices.reshape(indices.size(0), -1).cpu().long()
+    idx = indices.reshape(indices.size(0), -1).to(kv.device).long()
     valid = (idx >= 0) & (idx < s_kv)
     if topk_length is not None:
-        valid &= torch.arange(idx.size(1))[None, :] < topk_length.cpu().long()[:, None]
-    selected = torch.zeros(s_kv, dtype=torch.bool)
+        valid &= torch.arange(idx.size(1), device=kv.device)[None, :] < topk_length.to(kv.device).long()[:, None]
+    selected = torch.zeros(s_kv, dtype=torch.bool, device=kv.device)
     selected[idx[valid]] = True
-    unselected = (~selected).nonzero().flatten().to(kv.device)
+    unselected = (~selected).nonzero().flatten()
     kv = kv.clone()
     kv[unselected] = float("nan")
     kv[unselected[::3]] = float("inf")
@@ -188,37 +190,52 @@ def poison_rows(kv: torch.Tensor, indices: torch.Tensor, topk_length: torch.Tens
     return kv
 
 
-def prefill_case(seed: int, *, s_q: int, h_q: int, d_qk: int, s_kv: int, topk: int, n_valid: int | None = None,
-                 fillers: tuple[int, ...] | None = None, distinct: bool = True, dtype=torch.bfloat16, device="cpu",
-                 lengths: bool = False, sink: bool = False, poison: bool = True, strided: bool = False,
-                 scale: float = 0.1) -> PrefillCase:
-    """A random prefill case with FlashMLA's traps (module header). n_valid valid entries per row (default
-    topk * 0.8, at most s_kv when distinct) at random positions, the rest `fillers` (default all kinds:
-    fillers_for(s_kv)); from 4 rows on, row 2 has no valid entry; lengths: _length_traps; strided: q, kv and indices are views of wider buffers
-    (row strides stay multiples of 16 elements: the Gluon kernel still takes them); scale: of the
-    normal inputs (0.1: FlashMLA's distribution, for which its tolerances are made)."""
-    gen = torch.Generator().manual_seed(seed)
-    if n_valid is None:
-        n_valid = max(1, int(topk * 0.8))
+def prefill_case(seed: int, *, s_q: int, s_kv: int, h_q: int, topk: int, d_qk: int = 512, n_valid: int | None = None,
+                 distinct: bool = True, topk_length: bool = False, sink: bool = False, all_invalid: bool = False,
+                 poison: bool = True, strided: bool = True, dtype=torch.bfloat16, device="cpu") -> PrefillCase:
+    """A prefill case as FlashMLA's prefill tests build it: per row n_valid (default min(topk, s_kv))
+    random rows of kv (distinct: without repetition, else duplicates count per occurrence) at random
+    positions of the list, the other positions fillers from PREFILL_FILLERS and s_kv (topk > s_kv: "OOB
+    top-k"); sinks with +-inf; q, kv and indices views of wider buffers (strided); sm_scale
+    PREFILL_SM_SCALE. Beyond FlashMLA's: topk_length random in [0, topk] with row 0 at 0, row 1 negative
+    (from 3 rows on) and the last row past topk (from 4 rows on); every kv row no valid entry selects
+    poisoned (poison_rows); with all_invalid every third row all fillers (row 0 included). Drawn on
+    `device` (large GPU cases)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = normal_inputs(gen, s_q, h_q, d_qk, device=device).to(dtype)
+    kv = normal_inputs(gen, s_kv, 1, d_qk, device=device).to(dtype)
+    n_valid = min(topk, s_kv if n_valid is None else n_valid)
     if distinct:
         n_valid = min(n_valid, s_kv)
-    q = normal_inputs(gen, s_q, h_q, d_qk, scale=scale).to(dtype)
-    kv = normal_inputs(gen, s_kv, 1, d_qk, scale=scale).to(dtype)
-    fillers = fillers or fillers_for(s_kv)
-    indices = random_indices(gen, s_q, s_kv, topk, n_valid, fillers, distinct)
-    if s_q >= 4:  # a row empty by its indices
-        indices[2] = torch.tensor(fillers, dtype=torch.int32)[torch.arange(topk) % len(fillers)]
-    topk_length = _length_traps(gen, s_q, topk) if lengths else None
-    if poison:
-        kv = poison_rows(kv, indices, topk_length)
-    attn_sink = sinks(gen, h_q) if sink else None
-    if strided:
-        q, kv, indices = _wide_view(q, 64, device), _wide_view(kv, 64, device), _wide_view(indices, 16, device)
+        picks = torch.rand((s_q, s_kv), generator=gen, device=device).topk(n_valid, dim=1).indices
     else:
-        q, kv, indices = q.to(device), kv.to(device), indices.to(device)
-    to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return PrefillCase(q, kv, indices, to(topk_length), to(attn_sink), d_qk ** -0.5)
+        picks = torch.randint(s_kv, (s_q, n_valid), generator=gen, device=device)
+    fillers = torch.tensor((*PREFILL_FILLERS, s_kv), dtype=torch.int32, device=device)
+    idx = fillers[torch.randint(len(fillers), (s_q, topk), generator=gen, device=device)]
+    order = torch.rand((s_q, topk), generator=gen, device=device).argsort(dim=1)[:, :n_valid]
+    idx.scatter_(1, order, picks.to(torch.int32))
+    if all_invalid:
+        idx[::3] = fillers[torch.randint(len(fillers), (1,), generator=gen, device=device)]
+    lengths = None
+    if topk_length:
+        lengths = torch.randint(0, topk + 1, (s_q,), generator=gen, device=device, dtype=torch.int32)
+        lengths[0] = 0
+        if s_q > 2:
+            lengths[1] = -255  # negative: empty too (such lengths once hung a kernel)
+        if s_q > 3:
+            lengths[-1] = topk + 5
+    if poison:
+        kv = poison_rows(kv, idx, lengths)
+    attn_sink = sinks(torch.Generator().manual_seed(seed), h_q).to(device) if sink else None
+    indices = idx.view(s_q, 1, topk)
+    if strided:
+        q, kv, indices = _strided_view(q), _strided_view(kv), _strided_view(indices, pad=16)
+    return PrefillCase(q, kv, indices, lengths, attn_sink, PREFILL_SM_SCALE)
 
+
+# ---------------------------------------------------------------------------------------------
+# decode cases
+# ---------------------------------------------------------------------------------------------
 
 @dataclass
 class DecodeCache:
@@ -256,34 +273,34 @@ def decode_cache(gen: torch.Generator, n_slots_min: int, d: int, *, layout=None,
 
 
 def poison_unselected(cache: DecodeCache, indices: torch.Tensor, lengths: torch.Tensor | None) -> None:
-    """NaN in every slot of `cache` that no valid entry of indices [B, s_q, topk] (with lengths [B]) selects:
-    NaN bf16 rows in a dense cache; e4m3 NaN codes (0x7f) and NaN bf16 RoPE words in a paged fp8 cache."""
+    """NaN in every slot of `cache` that no valid entry of indices [B, s_q, topk] (with lengths [B]) selects,
+    on the cache's device: NaN rows in a dense cache; e4m3 NaN codes (0x7f) and NaN bf16 RoPE words in a
+    paged fp8 cache; NaN rows in `rows` (where kept)."""
     b, s_q, topk = indices.shape
-    idx = indices.cpu().long()
+    c = cache.cache
+    idx = indices.to(c.device).long()
     valid = (idx >= 0) & (idx < cache.n_slots)
     if lengths is not None:
-        valid &= torch.arange(topk)[None, None, :] < lengths.cpu().long()[:, None, None]
-    selected = torch.zeros(cache.n_slots, dtype=torch.bool)
+        valid &= torch.arange(topk, device=c.device)[None, None, :] < lengths.to(c.device).long()[:, None, None]
+    selected = torch.zeros(cache.n_slots, dtype=torch.bool, device=c.device)
     selected[idx[valid]] = True
-    unselected = (~selected).nonzero().flatten()
-    cache.rows[unselected] = float("nan")
-    c = cache.cache
+    if cache.rows is not None:
+        cache.rows[~selected.to(cache.rows.device)] = float("nan")
     if c.dtype not in (torch.uint8, torch.float8_e4m3fn):
-        c[unselected.to(c.device)] = float("nan")
+        c[~selected] = float("nan")
         return
     layout = kv_cache.layout_of(c)
-    block_size = c.size(1)
-    raw = torch.as_strided(c.view(torch.uint8), (c.size(0), block_size * layout.bytes_per_token), (c.stride(0), 1))
-    for slot in unselected.tolist():
-        block, t = divmod(slot, block_size)
-        if layout is kv_cache.MODEL1:  # [448 e4m3 | 64 bf16 RoPE] at t * 576
-            start = t * 576
-            raw[block, start: start + layout.d_nope] = 0x7F
-            raw[block, start + layout.d_nope: start + 576] = 0xFF  # bf16 0xFFFF: NaN
-        else:  # V3.2: [512 e4m3 | 4 fp32 scales | 64 bf16 RoPE] at t * 656
-            start = t * layout.bytes_per_token
-            raw[block, start: start + layout.d_nope] = 0x7F
-            raw[block, start + layout.d_nope + 16: start + layout.bytes_per_token] = 0xFF
+    num_blocks, block_size = c.shape[:2]
+    raw = torch.as_strided(c.view(torch.uint8), (num_blocks, block_size * layout.bytes_per_token), (c.stride(0), 1))
+    if layout is kv_cache.MODEL1:  # per token [448 e4m3 | 64 bf16 RoPE] at t * 576 (module kv_cache.fp8)
+        tokens = raw[:, :block_size * 576].view(num_blocks, block_size, 576)
+        nope, rope = tokens[:, :, :layout.d_nope], tokens[:, :, layout.d_nope:]
+    else:  # per token [512 e4m3 | 16 B scales | 64 bf16 RoPE] at t * 656
+        tokens = raw.view(num_blocks, block_size, layout.bytes_per_token)
+        nope, rope = tokens[:, :, :layout.d_nope], tokens[:, :, layout.d_nope + 4 * layout.num_tiles:]
+    unselected = ~selected.view(num_blocks, block_size)
+    nope[unselected] = 0x7F  # e4m3 NaN
+    rope[unselected] = 0xFF  # bf16 0xFFFF: NaN
 
 
 @dataclass
@@ -372,3 +389,105 @@ def decode_case(seed: int, *, batch: int, s_q: int, h_q: int, topk: int, extra_t
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     return DecodeCase(q, main, to(indices), to(topk_length), extra, to(extra_indices), to(extra_topk_length),
                       to(sinks(gen, h_q)) if sink else None, d ** -0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashMLA's published decode test cases (tests/test_flash_mla_sparse_*.py semantics), for
+# engine.h20_ops.flash_mla
+# ---------------------------------------------------------------------------------------------
+
+DECODE_SM_SCALE_POWER = -0.55  # FlashMLA's decode tests: sm_scale = d_qk ** -0.55
+
+
+def _paged_scope(gen: torch.Generator, *, batch: int, s_q: int, s_kv: int, topk: int, block_size: int, layout,
+                 varlen: bool, zero_seqlen: bool, all_invalid: bool, lengths: bool, fillers: bool, oracle_rows: bool,
+                 device):
+    """One cache of a FlashMLA decode case: each request's s_kv tokens (varlen: max(N(s_kv, s_kv / 2), s_q);
+    zero_seqlen: about half the requests 0) on randomly placed pages of `block_size` tokens, per query
+    row min(topk, seqlen) distinct random tokens of its request as flat slot ids (block * block_size +
+    offset) at random positions of the list, the others invalid (-1, or with fillers every kind:
+    fillers_for); lengths: topk_length random in [0, topk]. -> (DecodeCache, indices, topk_length)."""
+    seqlens = torch.full((batch,), s_kv, dtype=torch.int64, device=device)
+    if varlen:
+        seqlens = (torch.randn(batch, generator=gen, device=device) * (s_kv / 2) + s_kv).long().clamp(min=s_q)
+    if zero_seqlen:
+        seqlens[torch.rand(batch, generator=gen, device=device) < 0.5] = 0
+    align = 4 * block_size
+    pages = max(-(-int(seqlens.max()) // align), 1) * align // block_size
+    num_blocks = batch * pages
+    block_table = torch.randperm(num_blocks, generator=gen, device=device).view(batch, pages)
+    cache = kv_cache.new_fp8_kv_cache(layout, num_blocks, block_size, device)
+    n_slots = num_blocks * block_size
+    quantize = kv_cache.quantize_into_cache if cache.is_cuda else kv_cache.quantize_into_cache_ref
+    for start in range(0, n_slots, 1 << 20):  # chunks bound the float32 staging of big caches
+        chunk = torch.arange(start, min(start + (1 << 20), n_slots), device=device)
+        quantize(cache, chunk, normal_inputs(gen, chunk.numel(), 1, layout.d, device=device))
+    rows = (kv_cache.dequantize_from_cache_ref(cache, torch.arange(n_slots, device=device), torch.float32)
+            if oracle_rows else None)
+
+    n_rows, width = batch * s_q, pages * block_size
+    row_lens = seqlens.repeat_interleave(s_q)
+    keys = torch.rand((n_rows, width), generator=gen, device=device)
+    keys[torch.arange(width, device=device)[None, :] >= row_lens[:, None]] = -1.0  # tokens past seqlen last
+    pos = keys.topk(min(topk, width), dim=1).indices
+    if topk > width:
+        pos = torch.cat([pos, torch.full((n_rows, topk - width), width, device=device, dtype=pos.dtype)], dim=1)
+    valid = pos < row_lens[:, None]
+    request = torch.arange(batch, device=device).repeat_interleave(s_q)[:, None]
+    page = block_table[request, (pos // block_size).clamp(max=pages - 1)]
+    slots = (page * block_size + pos % block_size).to(torch.int32)
+    invalid = torch.full_like(slots, -1)
+    if fillers:
+        choice = torch.tensor(fillers_for(n_slots), dtype=torch.int32, device=device)
+        invalid = choice[torch.randint(len(choice), slots.shape, generator=gen, device=device)]
+    if all_invalid:
+        valid = torch.zeros_like(valid)
+    slots = torch.where(valid, slots, invalid)
+    slots = slots.gather(1, torch.rand(slots.shape, generator=gen, device=device).argsort(dim=1))  # shuffle
+    indices = slots.view(batch, s_q, topk)
+    topk_length = torch.randint(0, topk + 1, (batch,), generator=gen, device=device,
+                                dtype=torch.int32) if lengths else None
+    return DecodeCache(cache, rows, n_slots), indices, topk_length
+
+
+def flashmla_decode_case(seed: int, *, batch: int, s_q: int, h_q: int, layout, topk: int, s_kv: int,
+                         block_size: int, extra: tuple[int, int, int] | None = None, varlen: bool = True,
+                         topk_length: bool = False, extra_topk_length: bool = False, all_invalid: bool = False,
+                         zero_seqlen: bool = False, sink: bool = True, fillers: bool = False, strided_q: bool = True,
+                         oracle_rows: bool = True, device="cpu") -> DecodeCase:
+    """A decode case as FlashMLA's sparse decode tests build it (see _paged_scope), over paged fp8 caches
+    of `layout` (kv_cache.MODEL1 / V32): the main cache (topk, s_kv, block_size) and optionally an extra
+    one (extra = (extra_topk, extra_s_kv, extra_block_size)); NaN bytes in every slot no valid entry
+    selects; q 0.1 N(0, 1) (+ offset) as a view of a wider buffer; sinks with +-inf; sm_scale
+    d_qk ** -0.55. The result's kwargs() / oracle() serve sparse_mla_decode; flashmla_decode_kwargs()
+    the FlashMLA call. oracle_rows=False: no dequantized rows (benchmarks; no oracle())."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    common = dict(batch=batch, s_q=s_q, layout=layout, varlen=varlen, zero_seqlen=zero_seqlen,
+                  all_invalid=all_invalid, fillers=fillers, oracle_rows=oracle_rows, device=device)
+    main, indices, lengths = _paged_scope(gen, s_kv=s_kv, topk=topk, block_size=block_size, lengths=topk_length,
+                                          **common)
+    poison_unselected(main, indices, lengths)
+    extra_cache = extra_indices = extra_lengths = None
+    if extra is not None:
+        extra_topk, extra_s_kv, extra_block_size = extra
+        extra_cache, extra_indices, extra_lengths = _paged_scope(gen, s_kv=extra_s_kv, topk=extra_topk,
+                                                                 block_size=extra_block_size,
+                                                                 lengths=extra_topk_length, **common)
+        poison_unselected(extra_cache, extra_indices, extra_lengths)
+    elif extra_topk_length:
+        raise ValueError("extra_topk_length: needs an extra cache (extra=...)")
+    q = normal_inputs(gen, batch, s_q, h_q, layout.d, device=device).to(torch.bfloat16)
+    if strided_q:
+        q = _strided_view(q)
+    attn_sink = sinks(torch.Generator().manual_seed(seed), h_q).to(device) if sink else None
+    return DecodeCase(q, main, indices, lengths, extra_cache, extra_indices, extra_lengths, attn_sink,
+                      layout.d ** DECODE_SM_SCALE_POWER)
+
+
+def flashmla_decode_kwargs(case: DecodeCase) -> dict:
+    """Keyword arguments of FlashMLA's flash_mla_with_kvcache for `case` besides q, k_cache, block_table,
+    cache_seqlens, head_dim_v and tile_scheduler_metadata."""
+    return dict(softmax_scale=case.sm_scale, causal=False, is_fp8_kvcache=True, indices=case.indices,
+                attn_sink=case.attn_sink, extra_k_cache=None if case.extra is None else case.extra.cache,
+                extra_indices_in_kvcache=case.extra_indices, topk_length=case.topk_length,
+                extra_topk_length=case.extra_topk_length)

@@ -15,6 +15,9 @@ Flash-decoding split: when the rows leave enough SMs per program, each row's lis
 chunks of whole pairs of 64-entry blocks (the SM90 kernels' step) that run as splits x more rows of the
 same launch (the list launch writes the repeated q rows); attention/merge.py combines the partials by
 lse and applies the sink once.
+out=: the caller's buffer is the output of the launch that writes the result (the merge with a split,
+else the attention kernel); a kernel that allocates its own output (the TileLang kernels today) is
+copied into it (dispatch.run_prefill_kernel / run_paged_fp8_kernel).
 Numerics: the attention kernel's (bf16 operands, fp32 accumulation; P rounded to bf16 before P.V); merge
 and sink in fp32. Deliberate deviation from FlashMLA's split-KV: partial outputs come back in q's dtype,
 so a split result carries one more bf16 rounding of each partial (|err| <= 2^-9 * sum_i w_i |o_i|).
@@ -23,12 +26,13 @@ Everything here is capturable in a CUDA graph (no host syncs; a plan fixes every
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from .. import kv_cache
-from ..checks import (SUPPORTED_HEADS, check_decode_cache, check_decode_list, check_sink, require_scale,
+from ..checks import (SUPPORTED_HEADS, check_decode_cache, check_decode_list, check_out, check_sink, require_scale,
                       require_tensor)
 from ..platform import sm_count
 from . import dispatch
@@ -89,15 +93,13 @@ def plan_sparse_decode(cache: torch.Tensor, *, batch: int, s_q: int, h_q: int, t
         raise ValueError(f"extra_cache, extra_topk: pass both (extra_topk >= 1) or neither, got extra_topk "
                          f"{extra_topk} with extra_cache {'None' if extra_cache is None else 'given'}")
     backend = dispatch.backend_of(backend)
-    layout, block_sizes = _cache_kind("cache", cache), [_block_size(cache)]
+    layout = _cache_kind("cache", cache)
     if extra_cache is not None:
         extra_layout = _cache_kind("extra_cache", extra_cache)
         if extra_layout is not layout:
             raise ValueError(f"extra_cache: expected the same kind of cache as cache ({_kind_name(layout)}), got "
                              f"{_kind_name(extra_layout)}")
-        block_sizes.append(_block_size(extra_cache))
-    choice = dispatch.decode_path(q_dtype, cache.device, layout, len(set(block_sizes)) == 1, extra_cache is not None,
-                                  backend)
+    choice = dispatch.decode_path(q_dtype, cache.device, layout, extra_cache is not None, backend)
     path, kernel = choice.kernel.split(": ")
     list_len = topk + extra_topk
     if num_splits is None:
@@ -116,7 +118,8 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
                       plan: DecodePlan | None = None, attn_sink: torch.Tensor | None = None,
                       topk_length: torch.Tensor | None = None, extra_cache: torch.Tensor | None = None,
                       extra_indices: torch.Tensor | None = None,
-                      extra_topk_length: torch.Tensor | None = None) -> AttentionOutput:
+                      extra_topk_length: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                      names: Mapping[str, str] | None = None) -> AttentionOutput:
     """Batched sparse decode over one or two caches, in one softmax.
 
     q [B, s_q, h_q, d_qk] bf16 (fp32 with the triton and ref backends); h_q 64 or 128.
@@ -129,66 +132,83 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
       extra_topk_length [B]: attended in the same softmax.
     attn_sink [h_q] fp32: out *= 1 / (1 + exp(sink - lse)) (natural-log lse), once, over both caches.
     plan: from plan_sparse_decode for these shapes (None: made here, for one-off calls).
+    out: a contiguous [B, s_q, h_q, 512] tensor in q's dtype that receives the output (the launch that
+      writes the result, the merge's or the kernel's, writes it there), None: a new one.
+    names: the caller's names for these arguments in error messages (an adapter such as
+      engine.h20_ops.flash_mla: {"cache": "k_cache", ...}).
     Returns AttentionOutput(out [B, s_q, h_q, 512] in q's dtype, lse_log2 [B, s_q, h_q] fp32 base 2);
     a query without a valid entry gets out 0 and lse +inf."""
-    sm_scale = require_scale("sm_scale", sm_scale)
+    names = names or {}
+
+    def n(arg: str) -> str:
+        return names.get(arg, arg)
+
+    sm_scale = require_scale(n("sm_scale"), sm_scale)
     backend = plan.backend if plan is not None else dispatch.backend_of(None)
     require_tensor("q", q, dtypes=dispatch.Q_DTYPES[backend], ndim=4, dtype_note=dispatch.Q_DTYPE_NOTES.get(backend))
     batch, s_q, h_q, _ = q.shape
     if batch < 1 or s_q < 1 or h_q not in SUPPORTED_HEADS:
         raise ValueError(f"q: expected shape [B >= 1, s_q >= 1, h_q in {SUPPORTED_HEADS}, d_qk], got {tuple(q.shape)}")
-    main = check_decode_cache("cache", cache, q, LAYOUTS)
-    topk = check_decode_list("indices", indices, "topk_length", topk_length, q)
+    main = check_decode_cache(n("cache"), cache, q, LAYOUTS)
+    topk = check_decode_list(n("indices"), indices, n("topk_length"), topk_length, q)
     if (extra_cache is None) != (extra_indices is None):
-        raise ValueError("extra_cache, extra_indices: pass both or neither")
+        raise ValueError(f"{n('extra_cache')}, {n('extra_indices')}: pass both or neither")
     if extra_topk_length is not None and extra_cache is None:
-        raise ValueError("extra_topk_length: given without extra_cache / extra_indices")
+        raise ValueError(f"{n('extra_topk_length')}: given without {n('extra_cache')} / {n('extra_indices')}")
     extra, extra_topk = None, 0
     if extra_cache is not None:
-        extra = check_decode_cache("extra_cache", extra_cache, q, LAYOUTS)
+        extra = check_decode_cache(n("extra_cache"), extra_cache, q, LAYOUTS)
         if extra.layout is not main.layout:  # also with a plan, which records the main cache's kind only
-            raise ValueError(f"extra_cache: expected the same kind of cache as cache ({_kind_name(main.layout)}), "
-                             f"got {_kind_name(extra.layout)}")
-        extra_topk = check_decode_list("extra_indices", extra_indices, "extra_topk_length", extra_topk_length, q)
-    check_sink(attn_sink, h_q)
+            raise ValueError(f"{n('extra_cache')}: expected the same kind of cache as {n('cache')} "
+                             f"({_kind_name(main.layout)}), got {_kind_name(extra.layout)}")
+        extra_topk = check_decode_list(n("extra_indices"), extra_indices, n("extra_topk_length"), extra_topk_length, q)
+    check_sink(attn_sink, h_q, n("attn_sink"))
     if attn_sink is not None and attn_sink.device != q.device:
-        raise ValueError(f"attn_sink: expected device {q.device} (same as q), got {attn_sink.device}")
+        raise ValueError(f"{n('attn_sink')}: expected device {q.device} (same as q), got {attn_sink.device}")
+    if out is not None:
+        check_out(n("out"), out, (batch, s_q, h_q, D_V), q.dtype, q.device)
     if plan is None:
         plan = plan_sparse_decode(cache, batch=batch, s_q=s_q, h_q=h_q, topk=topk, q_dtype=q.dtype,
                                   extra_cache=extra_cache, extra_topk=extra_topk, backend=backend)
     else:
-        _check_plan(plan, batch, s_q, h_q, topk, extra_topk, main)
+        _check_plan(plan, batch, s_q, h_q, topk, extra_topk, main, n("plan"))
 
-    n = batch * s_q
-    q_rows = q.reshape(n, h_q, q.size(3))  # a view whenever q's strides allow
+    rows = batch * s_q
+    q_rows = q.reshape(rows, h_q, q.size(3))  # a view whenever q's strides allow
+    out_rows = None if out is None else out.view(rows, h_q, D_V)
+    cache_names = (n("cache"), n("extra_cache"))
     if extra_cache is None and plan.splits == 1 and plan.path != "gathered":
         # one cache, no split: the kernel takes the slot ids as they are (it masks ids outside the cache)
         lengths = None if topk_length is None else topk_length.repeat_interleave(s_q)
-        rows = indices.reshape(n, topk)  # the kernels read a list with unit stride (a copy only for exotic strides)
-        rows = rows if rows.stride(-1) == 1 or topk == 1 else rows.contiguous()
-        out, lse = _attend(plan, q_rows, cache, None, rows, sm_scale, attn_sink, lengths)
+        slot_ids = indices.reshape(rows, topk)  # the kernels read a list with unit stride (a copy only for
+        slot_ids = slot_ids if slot_ids.stride(-1) == 1 or topk == 1 else slot_ids.contiguous()  # exotic strides)
+        out, lse = _attend(plan, q_rows, cache, None, slot_ids, sm_scale, attn_sink, lengths, out_rows, cache_names)
         return AttentionOutput(out.view(batch, s_q, h_q, D_V), lse.view(batch, s_q, h_q))
     lists, slots, q_split = build_decode_lists(indices, topk_length, main.n_slots, extra_indices, extra_topk_length,
                                                0 if extra is None else extra.n_slots, plan.list_len,
                                                positions=plan.path == "gathered", q_rows=q_rows, splits=plan.splits)
     kernel_q = q_rows if plan.splits == 1 else q_split
-    kernel_lists = lists.view(n * plan.splits, plan.chunk)
+    kernel_lists = lists.view(rows * plan.splits, plan.chunk)
     kv = _gather_rows(cache, extra_cache, slots, topk, q.dtype, backend) if plan.path == "gathered" else cache
-    out, lse = _attend(plan, kernel_q, kv, extra_cache, kernel_lists, sm_scale,
-                       attn_sink if plan.splits == 1 else None, None)
-    if plan.splits > 1:
-        out, lse = merge_splits(out, lse, plan.splits, attn_sink, q.dtype)
+    if plan.splits == 1:
+        out, lse = _attend(plan, kernel_q, kv, extra_cache, kernel_lists, sm_scale, attn_sink, None, out_rows,
+                           cache_names)
+    else:
+        parts, lse_parts = _attend(plan, kernel_q, kv, extra_cache, kernel_lists, sm_scale, None, None, None,
+                                   cache_names)
+        out, lse = merge_splits(parts, lse_parts, plan.splits, attn_sink, q.dtype, out_rows)
     return AttentionOutput(out.view(batch, s_q, h_q, D_V), lse.view(batch, s_q, h_q))
 
 
-def _attend(plan: DecodePlan, q_rows, kv, extra_cache, lists, sm_scale, attn_sink, lengths):
+def _attend(plan: DecodePlan, q_rows, kv, extra_cache, lists, sm_scale, attn_sink, lengths, out, cache_names):
     """The plan's one attention launch: the paged fp8 kernel over (kv, extra_cache), or the prefill kernel
-    the dispatcher chooses for these very tensors over dense rows kv."""
+    the dispatcher chooses for these very tensors over dense rows kv; out: its output buffer or None;
+    cache_names: the caller's names of the two caches (the paged kernel's layout errors)."""
     if plan.path == "paged_fp8":
         return dispatch.run_paged_fp8_kernel(plan.kernel, q_rows, kv, extra_cache, lists, sm_scale, attn_sink,
-                                             lengths, cache_names=("cache", "extra_cache"))
+                                             lengths, cache_names=cache_names, out=out)
     kernel = dispatch.prefill_kernel(q_rows, kv, plan.backend).kernel
-    return dispatch.run_prefill_kernel(kernel, q_rows, kv, lists, sm_scale, D_V, attn_sink, lengths)
+    return dispatch.run_prefill_kernel(kernel, q_rows, kv, lists, sm_scale, D_V, attn_sink, lengths, out)
 
 
 def _gather_rows(cache, extra_cache, slots: torch.Tensor, topk: int, dtype: torch.dtype, backend: str) -> torch.Tensor:
@@ -228,16 +248,12 @@ def _kind_name(layout) -> str:
     return "dense rows" if layout is None else f"fp8 {layout.name}"
 
 
-def _block_size(cache: torch.Tensor) -> int:
-    return cache.size(1) if cache.dtype in (torch.uint8, torch.float8_e4m3fn) and cache.dim() == 4 else 1
-
-
-def _check_plan(plan: DecodePlan, batch, s_q, h_q, topk, extra_topk, main) -> None:
+def _check_plan(plan: DecodePlan, batch, s_q, h_q, topk, extra_topk, main, name: str) -> None:
     got = (batch, s_q, h_q, topk, extra_topk, None if main.layout is None else main.layout.name)
     want = (plan.batch, plan.s_q, plan.h_q, plan.topk, plan.extra_topk, plan.fp8_layout)
     if got != want:
-        names = "(batch, s_q, h_q, topk, extra_topk, fp8 layout)"
-        raise ValueError(f"plan: made for {names} = {want}, called with {got}")
+        fields = "(batch, s_q, h_q, topk, extra_topk, fp8 layout)"
+        raise ValueError(f"{name}: made for {fields} = {want}, called with {got}")
 
 
 def _choose_splits(n_rows: int, heads: int, list_len: int, device: torch.device, sms_per_program: int) -> int:

@@ -8,6 +8,10 @@ Choices (each logged once per process with its reason, and listed by `kernel_cho
     (vendor/flashmla_sparse_gluon_sm90.py: bf16 on SM90 with 16-byte aligned rows), `triton_portable`
     (vendor/flashmla_sparse.py: float32, other GPUs, the CPU interpreter, rows the Gluon kernel cannot
     read) or `ref` (the float32 oracle);
+  - the kernel of a prefill call that also returns max_logits and natural-log lse (FlashMLA's
+    flash_mla_sparse_fwd, engine.h20_ops.flash_mla): a Triton kernel (or `ref`), which produces both
+    itself; tilelang_sm90 produces neither (base-2 lse, no max_logits), so the tilelang backend runs the
+    Triton kernel for these calls (the choice says so);
   - the decode path of a call (attention/decode.py): `paged_fp8` (a kernel reads the paged fp8 caches
     itself), `gathered` (the rows of both caches are gathered, dequantized if fp8, into one buffer for the
     prefill kernel) or `direct` (one dense cache: the prefill kernel reads it in place).
@@ -98,36 +102,86 @@ def reset_resolution_for_tests() -> None:
 # prefill kernels
 # ---------------------------------------------------------------------------------------------
 
+def _gluon_unsupported(q: torch.Tensor, kv: torch.Tensor) -> str | None:
+    """Why the Gluon SM90 kernel cannot take (q, kv), or None (its requirements live with it:
+    vendor/flashmla_sparse_gluon_sm90.unsupported)."""
+    from ..vendor.flashmla_sparse_gluon_sm90 import unsupported
+
+    return unsupported(q, kv)
+
+
 def prefill_kernel(q: torch.Tensor, kv: torch.Tensor, backend: str | None = None) -> KernelChoice:
     """The kernel that runs sparse MLA prefill on (q, kv) with `backend` (None: the process's)."""
     backend = backend_of(backend)
     if backend in ("ref", "tilelang"):
         reason = (backend_resolution().reason if backend == resolve_backend() else f"backend={backend!r}")
         return _record(KernelChoice("prefill", "ref" if backend == "ref" else "tilelang_sm90", reason))
-    from ..vendor.flashmla_sparse_gluon_sm90 import unsupported as gluon_unsupported
-
-    unsupported = gluon_unsupported(q, kv)
+    unsupported = _gluon_unsupported(q, kv)
     if unsupported is None:
         return _record(KernelChoice("prefill", "triton_gluon_sm90", "bf16 on SM90, 16-byte aligned rows"))
     return _record(KernelChoice("prefill", "triton_portable", unsupported))
 
 
-def run_prefill_kernel(kernel: str, q, kv, indices, sm_scale: float, d_v: int, attn_sink, topk_length):
-    """Runs one prefill kernel on validated arguments -> (out in q's dtype, lse fp32 base 2)."""
+_TRITON_PREFILL_KERNELS = {"triton_gluon_sm90": "gluon_sm90", "triton_portable": "portable"}
+
+
+def run_prefill_kernel(kernel: str, q, kv, indices, sm_scale: float, d_v: int, attn_sink, topk_length,
+                       out: torch.Tensor | None = None):
+    """Runs one prefill kernel on validated arguments -> (out in q's dtype, lse fp32 base 2). out: a
+    validated contiguous [s_q, h_q, d_v] buffer for the output (the Triton kernels write it; the
+    TileLang kernel and the oracle allocate their own, copied into it), None: a new one."""
     if kernel == "ref":
         from .reference import sparse_mla_prefill_ref
 
         res = sparse_mla_prefill_ref(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
-        return res.out.to(q.dtype), res.lse * LOG2E
+        return _into(out, res.out.to(q.dtype)), res.lse * LOG2E
     if kernel == "tilelang_sm90":
         module = import_tilelang_module_or_explain(TILELANG_KERNEL_MODULE, "sparse MLA backend 'tilelang'")
-        return module.sparse_mla_fwd_sm90(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+        kernel_out, lse = module.sparse_mla_fwd_sm90(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+        return _into(out, kernel_out), lse
     from ..vendor.flashmla_sparse import flash_mla_sparse_fwd
 
-    triton_kernel = {"triton_gluon_sm90": "gluon_sm90", "triton_portable": "portable"}[kernel]
     out, _max_logits, lse_natural = flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
-                                                         kernel=triton_kernel)
+                                                         kernel=_TRITON_PREFILL_KERNELS[kernel], out=out)
     return out, lse_natural * LOG2E  # +inf (empty rows) stays +inf
+
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """result, or result copied into the caller's buffer `out` (a kernel without an output argument)."""
+    return result if out is None else out.copy_(result)
+
+
+def prefill_kernel_with_max_logits(q: torch.Tensor, kv: torch.Tensor, backend: str | None = None) -> KernelChoice:
+    """The kernel of a prefill call that returns max_logits and natural-log lse besides out (module
+    header): the Triton kernel prefill_kernel would choose with the triton backend, or `ref`."""
+    backend = backend_of(backend)
+    if backend == "ref":
+        return prefill_kernel(q, kv, "ref")
+    why = "" if backend == "triton" else "; max_logits asked for: tilelang_sm90 does not produce it"
+    unsupported = _gluon_unsupported(q, kv)
+    if unsupported is None:
+        return _record(KernelChoice("prefill", "triton_gluon_sm90", "bf16 on SM90, 16-byte aligned rows" + why))
+    return _record(KernelChoice("prefill", "triton_portable", unsupported + why))
+
+
+def run_prefill_kernel_with_max_logits(kernel: str, q, kv, indices, sm_scale: float, d_v: int, attn_sink,
+                                       topk_length, out: torch.Tensor | None = None):
+    """Runs a kernel of prefill_kernel_with_max_logits on validated arguments -> (out in q's dtype,
+    max_logits fp32, lse fp32 NATURAL log), as the kernel produces them (no conversion); out as in
+    run_prefill_kernel (the Triton kernels write it in place)."""
+    if kernel == "ref":
+        from .reference import sparse_mla_prefill_ref
+
+        res = sparse_mla_prefill_ref(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+        return _into(out, res.out.to(q.dtype)), res.max_logits, res.lse
+    if kernel not in _TRITON_PREFILL_KERNELS:
+        raise ValueError(f"kernel: {kernel!r} does not produce max_logits; expected one of "
+                         f"{', '.join(['ref', *_TRITON_PREFILL_KERNELS])}")
+    from ..vendor.flashmla_sparse import flash_mla_sparse_fwd
+
+    return flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
+                                kernel=_TRITON_PREFILL_KERNELS[kernel], out=out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,10 +191,10 @@ def run_prefill_kernel(kernel: str, q, kv, indices, sm_scale: float, d_v: int, a
 PAGED_FP8_KERNELS = {"tilelang": "tilelang_sm90_paged_fp8"}
 
 
-def decode_path(q_dtype: torch.dtype, device: torch.device, fp8_layout, same_block_size: bool, has_extra: bool,
+def decode_path(q_dtype: torch.dtype, device: torch.device, fp8_layout, has_extra: bool,
                 backend: str | None = None) -> KernelChoice:
     """The decode path for caches of `fp8_layout` (kv_cache.MODEL1 / V32, or None for dense rows in q's
-    dtype); same_block_size: the two caches' page sizes are equal (or there is one cache)."""
+    dtype; the paged fp8 kernel takes either layout and each cache's own page size)."""
     backend = backend_of(backend)
     if fp8_layout is None:
         if not has_extra:
@@ -149,14 +203,11 @@ def decode_path(q_dtype: torch.dtype, device: torch.device, fp8_layout, same_blo
         return _record(KernelChoice("decode", f"gathered: {_buffer_kernel(q_dtype, device, backend)}",
                                     "two dense caches: rows gathered into one buffer"))
     paged = PAGED_FP8_KERNELS.get(backend)
-    if paged is not None and fp8_layout.name == "MODEL1" and same_block_size and q_dtype == torch.bfloat16:
-        return _record(KernelChoice("decode", f"paged_fp8: {paged}", f"backend {backend}, MODEL1 fp8 caches"))
+    if paged is not None and q_dtype == torch.bfloat16:
+        return _record(KernelChoice("decode", f"paged_fp8: {paged}",
+                                    f"backend {backend}, {fp8_layout.name} fp8 caches"))
     if paged is None:
         why = f"backend {backend} has no paged fp8 kernel"
-    elif fp8_layout.name != "MODEL1":
-        why = f"{paged} reads MODEL1 caches only, got {fp8_layout.name}"
-    elif not same_block_size:
-        why = f"{paged} needs equal page sizes for both caches"
     else:
         why = f"{paged} is bf16 only, q is {str(q_dtype).removeprefix('torch.')}"
     return _record(KernelChoice("decode", f"gathered: {_buffer_kernel(q_dtype, device, backend)}",
@@ -176,10 +227,13 @@ def _buffer_kernel(q_dtype: torch.dtype, device: torch.device, backend: str) -> 
 
 
 def run_paged_fp8_kernel(kernel: str, q, cache0, cache1, slot_indices, sm_scale: float, attn_sink, topk_length,
-                         cache_names: tuple[str, str]):
-    """One paged fp8 kernel launch on validated arguments -> (out bf16, lse fp32 base 2)."""
+                         cache_names: tuple[str, str], out: torch.Tensor | None = None):
+    """One paged fp8 kernel launch on validated arguments -> (out bf16, lse fp32 base 2). out: a validated
+    contiguous buffer for the output (the TileLang kernel allocates its own, copied into it), None: a new one."""
     if kernel != "tilelang_sm90_paged_fp8":
         raise ValueError(f"kernel: no paged fp8 kernel named {kernel!r}")
     module = import_tilelang_module_or_explain(TILELANG_PAGED_FP8_MODULE, "sparse MLA backend 'tilelang'")
-    return module.sparse_mla_fwd_sm90_paged_fp8(q, cache0, cache1, slot_indices, sm_scale, attn_sink=attn_sink,
-                                                topk_length=topk_length, cache_names=cache_names)
+    kernel_out, lse = module.sparse_mla_fwd_sm90_paged_fp8(q, cache0, cache1, slot_indices, sm_scale,
+                                                           attn_sink=attn_sink, topk_length=topk_length,
+                                                           cache_names=cache_names)
+    return _into(out, kernel_out), lse

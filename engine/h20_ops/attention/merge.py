@@ -71,16 +71,18 @@ def _merge_splits_kernel(parts_ptr, parts_stride_row, parts_stride_h, lse_parts_
 
 
 def merge_splits(out_parts: torch.Tensor, lse_parts: torch.Tensor, splits: int, attn_sink: torch.Tensor | None,
-                 out_dtype: torch.dtype):
+                 out_dtype: torch.dtype, out: torch.Tensor | None = None):
     """out_parts [n*S, H, Dv] (chunk c of query i at row i*S + c), lse_parts [n*S, H] base 2 (+inf:
     empty chunk) -> (out [n, H, Dv] in out_dtype, lse [n, H] base 2), merged by lse in fp32, the sink
-    applied once. One launch."""
+    applied once. One launch. out: a validated contiguous [n, H, Dv] buffer in out_dtype to write, None:
+    a new one."""
     rows, heads, d_v = out_parts.shape
     if d_v & (d_v - 1) or out_parts.stride(2) != 1:
         raise ValueError(f"out_parts: expected a contiguous power-of-two last dim, got shape "
                          f"{tuple(out_parts.shape)} strides {out_parts.stride()}")
     n = rows // splits
-    out = torch.empty((n, heads, d_v), dtype=out_dtype, device=out_parts.device)
+    if out is None:
+        out = torch.empty((n, heads, d_v), dtype=out_dtype, device=out_parts.device)
     lse = torch.empty((n, heads), dtype=torch.float32, device=out_parts.device)
     block_h = 8
     if not out.is_cuda:

@@ -1,6 +1,6 @@
 """The float32 reference (oracle) for sparse MLA: every backend and adapter is tested against it.
 
-Semantics (../shared/reference/sparse_mla_contract.md; FlashMLA's current contract):
+Semantics (docs/contract.md; FlashMLA's current contract):
   - entry j of row i is valid iff 0 <= idx[i, j] < s_kv and (if given) j < topk_length[i];
     invalid entries are masked and never dereferenced; duplicates count once per occurrence;
   - P = q_i . kv[idx]^T * sm_scale (fp32), invalid -> -inf; lse = logsumexp(P) (natural log);
