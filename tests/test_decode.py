@@ -20,7 +20,8 @@ from engine.h20_ops import kv_cache, testing
 from engine.h20_ops.attention import decode, dispatch
 from engine.h20_ops.attention.decode_lists import build_decode_lists
 from engine.h20_ops.attention.merge import merge_splits
-from engine.h20_ops.testing import INT32_MAX, INT32_MIN, LOG2E, assert_close, assert_matches_oracle, decode_case
+from engine.h20_ops.testing import (INT32_MAX, INT32_MIN, LOG2E, assert_close, assert_matches_oracle, decode_case,
+                                    split_rounding_floor)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -60,6 +61,13 @@ def launches(monkeypatch):
     return calls
 
 
+def check(case, plan, res, name: str = "") -> None:
+    """res of case.run(plan) against the oracle: testing.assert_matches_oracle, with a split's stated floor
+    (testing.split_rounding_floor, computed on the plan's own chunks)."""
+    floor = split_rounding_floor(case, plan) if plan.splits > 1 else None
+    assert_matches_oracle(res, case.oracle(), decode=True, split=plan.splits > 1, floor=floor, name=name)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("name", list(CASES))
 def test_decode_matches_oracle(name, splits, launches):
@@ -75,7 +83,7 @@ def test_decode_matches_oracle(name, splits, launches):
     assert isinstance(res, ops.AttentionOutput)
     assert res.out.dtype == torch.bfloat16 and res.out.shape == (b, s_q, h_q, 512)
     assert res.lse_log2.dtype == torch.float32 and res.lse_log2.shape == (b, s_q, h_q)
-    assert_matches_oracle(res, case.oracle(), decode=True, split=splits > 1)
+    check(case, plan, res)
     # request 0 has no valid entry (decode_case's lengths): out 0, lse +inf
     assert bool((res.out[0] == 0).all()) and bool(torch.isposinf(res.lse_log2[0]).all())
 
@@ -106,9 +114,10 @@ def test_float32_is_exact(name, splits):
     """float32 q with dense float32 caches or fp8 caches (dequantized exactly into a float32 buffer) through
     the Triton backend, with and without a split: no bf16 rounding anywhere, so EXACT_FP32."""
     case = decode_case(50 + len(name), dtype=torch.float32, device=DEVICE, **CASES[name])
-    res = case.run(case.plan(num_splits=splits, backend="triton"))
+    plan = case.plan(num_splits=splits, backend="triton")
+    res = case.run(plan)
     assert res.out.dtype == torch.float32
-    assert_matches_oracle(res, case.oracle(), decode=True, split=splits > 1)
+    check(case, plan, res)
 
 
 @pytest.mark.parametrize("name,splits", [("dense two caches", 3), ("MODEL1 pages 2 / 53", 1)])
@@ -118,7 +127,7 @@ def test_ref_backend_is_exact(name, splits):
     case = decode_case(70 + splits, dtype=torch.float32, device=DEVICE, **CASES[name])
     plan = case.plan(num_splits=splits, backend="ref")
     assert plan.kernel == "ref"
-    assert_matches_oracle(case.run(plan), case.oracle(), decode=True, split=splits > 1)
+    check(case, plan, case.run(plan))
 
 
 def test_automatic_split_engages_for_few_rows():
@@ -130,7 +139,7 @@ def test_automatic_split_engages_for_few_rows():
     plan = case.plan()
     if DEVICE == "cpu":
         assert (plan.splits, plan.chunk) == (2, 96)
-    assert_matches_oracle(case.run(plan), case.oracle(), decode=True, split=plan.splits > 1)
+    check(case, plan, case.run(plan))
 
 
 def test_automatic_split_choice():
@@ -181,9 +190,10 @@ def test_decode_takes_views_of_any_stride(extra, splits):
         setattr(case, name, torch.stack([value, torch.full_like(value, -7)], dim=1)[:, 0])
         assert getattr(case, name).stride(0) == 2
     case.attn_sink = torch.stack([case.attn_sink, torch.zeros_like(case.attn_sink)], dim=1)[:, 0]
-    assert_matches_oracle(case.run(case.plan(num_splits=splits)), ref, decode=True, split=splits > 1)
+    plan = case.plan(num_splits=splits)
+    assert_matches_oracle(case.run(plan), ref, decode=True)  # the oracle on the original tensors (float32: exact)
     case.attn_sink = torch.tensor([0.75], device=DEVICE).expand(64)
-    assert_matches_oracle(case.run(case.plan(num_splits=splits)), case.oracle(), decode=True, split=splits > 1)
+    check(case, plan, case.run(plan))
 
 
 def test_all_invalid_extra_cache_contributes_nothing():
@@ -207,7 +217,7 @@ def test_a_plan_is_reused_across_calls(monkeypatch):
     monkeypatch.setattr(decode, "plan_sparse_decode", no_planning)
     for seed in (2, 3):
         case = decode_case(seed, batch=2, s_q=1, h_q=64, topk=16, extra_topk=8, device=DEVICE)
-        assert_matches_oracle(case.run(plan), case.oracle(), decode=True, split=True)
+        check(case, plan, case.run(plan))
 
 
 def test_a_plan_made_for_other_shapes_is_refused():
@@ -505,7 +515,7 @@ def test_paged_fp8_matches_oracle(batch, s_q, h_q, layout, block_sizes, block_pa
                        block_pad=block_pad)
     plan = case.plan(num_splits=splits, backend="tilelang")
     assert plan.path == "paged_fp8" and plan.kernel == "tilelang_sm90_paged_fp8"
-    assert_matches_oracle(case.run(plan), case.oracle(), decode=True, split=plan.splits > 1)
+    check(case, plan, case.run(plan))
 
 
 @pytest.mark.gpu
@@ -548,8 +558,7 @@ def test_decode_at_model_sizes_matches_oracle(backend, name, args):
                                  "paged_fp8" if fp8 and backend == "tilelang" else "gathered")
             if backend == "triton" and torch.cuda.get_device_capability() == (9, 0):
                 assert plan.kernel == "triton_gluon_sm90"
-            assert_matches_oracle(case.run(plan), case.oracle(), decode=True, split=plan.splits > 1,
-                                  name=f"{name} B={batch} splits={plan.splits}")
+            check(case, plan, case.run(plan), name=f"{name} B={batch} splits={plan.splits}")
 
 
 @pytest.mark.gpu
