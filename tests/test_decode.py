@@ -35,13 +35,18 @@ CASES = {
     "V32 pages 61 / 69, padded blocks, h_q 128": dict(batch=2, s_q=1, h_q=128, topk=24, extra_topk=20,
                                                       layout=kv_cache.V32, block_sizes=(61, 69), block_pad=3),
 }
-PATHS = {"dense one cache": "direct"}  # the others: gathered on every backend the CPU suite has
+# the path on the process's backend (on the CPU: triton); fp8 caches: its paged fp8 kernel
+PATHS = {"dense one cache": "direct", "dense two caches": "gathered"}
+FP8_CASES = [name for name in CASES if CASES[name].get("layout") is not None]
 
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Records the launches of a decode call: the list launch, the gathers, the attention kernel, the merge."""
-    calls = {"lists": [], "gathers": [], "kernel": [], "merge": []}
+    """Records the launches of a decode call: the list launch, the gathers, the attention kernel (a prefill
+    kernel or the Triton paged fp8 kernel), the merge."""
+    from engine.h20_ops.attention import triton_paged_fp8
+
+    calls = {"lists": [], "gathers": [], "kernel": [], "paged": [], "merge": []}
 
     def record(module, name, key, keep):
         real = getattr(module, name)
@@ -57,6 +62,7 @@ def launches(monkeypatch):
     record(dispatch, "run_prefill_kernel", "kernel",
            lambda kernel, q, kv, indices, sm_scale, d_v, sink, lengths, *out: dict(kernel=kernel, q=q, kv=kv,
                                                                                    indices=indices, lengths=lengths))
+    record(triton_paged_fp8, "paged_fp8_decode", "paged", lambda q, cache, indices, *a, **k: dict(q=q, splits=k["splits"]))
     record(decode, "merge_splits", "merge", lambda parts, lse, splits, *rest: splits)
     return calls
 
@@ -71,13 +77,15 @@ def check(case, plan, res, name: str = "") -> None:
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("name", list(CASES))
 def test_decode_matches_oracle(name, splits, launches):
-    """bf16 through the process's backend (on the CPU: the portable Triton kernel under the interpreter),
-    and the launches each path makes: direct (the kernel reads the one cache in place: no list launch
-    without a split), gathered (one list launch, one gather per fp8 cache, one kernel launch); with a
-    split the kernel gets q's rows repeated (written by the list launch) and one merge follows."""
+    """bf16 through the process's backend (on the CPU: the Triton kernels under the interpreter), and the
+    launches each path makes: direct (the kernel reads the one cache in place: no list launch without a
+    split), gathered (one list launch, one kernel launch over the gathered rows), paged fp8 (the Triton
+    kernel reads both caches' lists and cuts a split's chunks itself: one launch); with a split the kernel
+    gets q's rows repeated (written by the list launch; the Triton paged kernel repeats them itself) and
+    one merge follows."""
     case = decode_case(10 * list(CASES).index(name) + splits, device=DEVICE, **CASES[name])
     plan = case.plan(num_splits=splits)
-    assert plan.path == PATHS.get(name, "gathered") and plan.splits == splits
+    assert plan.path == PATHS.get(name, "paged_fp8") and plan.splits == splits
     res = case.run(plan)
     b, s_q, h_q, _ = case.q.shape
     assert isinstance(res, ops.AttentionOutput)
@@ -86,9 +94,29 @@ def test_decode_matches_oracle(name, splits, launches):
     check(case, plan, res)
     # request 0 has no valid entry (decode_case's lengths): out 0, lse +inf
     assert bool((res.out[0] == 0).all()) and bool(torch.isposinf(res.lse_log2[0]).all())
+    _check_launches(case, plan, launches)
 
-    n = b * s_q
-    assert len(launches["kernel"]) == 1 and len(launches["merge"]) == (splits > 1)
+
+@pytest.mark.parametrize("name,splits", [(FP8_CASES[0], 3), (FP8_CASES[1], 1)])
+def test_fp8_gathered_path_matches_oracle(monkeypatch, name, splits, launches):
+    """fp8 caches on the gathered path (what the TileLang backend takes for float32 q or caches its paged
+    kernel cannot read; here the Triton backend with its paged kernel taken away): one list launch, one
+    gather_dequant per cache into one buffer, one prefill kernel launch."""
+    monkeypatch.delitem(dispatch.PAGED_FP8_KERNELS, "triton")
+    case = decode_case(90 + splits, device=DEVICE, **CASES[name])
+    plan = case.plan(num_splits=splits, backend="triton")
+    assert plan.path == "gathered"
+    check(case, plan, case.run(plan))
+    _check_launches(case, plan, launches)
+
+
+def _check_launches(case, plan, launches):
+    b, s_q, h_q, d = case.q.shape
+    n, splits = b * s_q, plan.splits
+    assert len(launches["kernel"]) + len(launches["paged"]) == 1 and len(launches["merge"]) == (splits > 1)
+    if plan.path == "paged_fp8":
+        assert launches["lists"] == [] and launches["gathers"] == [] and launches["paged"][0]["splits"] == splits
+        return
     kernel = launches["kernel"][0]
     if plan.path == "direct" and splits == 1:
         assert launches["lists"] == [] and kernel["kv"] is case.main.cache
@@ -99,13 +127,12 @@ def test_decode_matches_oracle(name, splits, launches):
         assert launches["lists"][0]["positions"] == (plan.path == "gathered")
         assert kernel["indices"].shape == (n * splits, plan.chunk)
     if plan.path == "gathered":
-        width = plan.topk + plan.extra_topk
-        assert kernel["kv"].shape == (n * width, 1, case.q.size(3))
-        fp8 = CASES[name].get("layout") is not None
+        assert kernel["kv"].shape == (n * (plan.topk + plan.extra_topk), 1, d)
+        fp8 = plan.fp8_layout is not None
         assert launches["gathers"] == ([(n, plan.topk), (n, plan.extra_topk)] if fp8 else [])
     if splits > 1:
         q_split = kernel["q"]
-        assert q_split.is_contiguous() and q_split.shape == (n * splits, h_q, case.q.size(3))
+        assert q_split.is_contiguous() and q_split.shape == (n * splits, h_q, d)
         assert torch.equal(q_split, case.q.flatten(0, 1).repeat_interleave(splits, dim=0))
 
 
@@ -544,9 +571,8 @@ def test_paged_fp8_equals_the_gathered_path(monkeypatch, batch, s_q, lengths, sp
     ("V32 pages 61 / 69, padded", dict(layout=kv_cache.V32, block_sizes=(61, 69), block_pad=3)),
 ])
 def test_decode_at_model_sizes_matches_oracle(backend, name, args):
-    """Each backend's paths at real sizes (bf16: Triton's Gluon kernel on SM90 over dense caches and
-    gathered fp8 rows; TileLang's tilelang_sm90 over dense caches, its paged fp8 kernel over fp8 ones),
-    the automatic split included."""
+    """Each backend's paths at real sizes (bf16 over dense caches: Triton's Gluon kernel on SM90, TileLang's
+    tilelang_sm90; over fp8 caches each backend's paged fp8 kernel), the automatic split included."""
     if backend == "tilelang":
         _tilelang()
     for batch, s_q, h_q in ((4, 2, 128), (64, 1, 64)):
@@ -554,9 +580,8 @@ def test_decode_at_model_sizes_matches_oracle(backend, name, args):
         for splits in (1, None):
             plan = case.plan(num_splits=splits, backend=backend)
             fp8 = args.get("layout", kv_cache.MODEL1) is not None
-            assert plan.path == ("direct" if name == "dense one cache" else
-                                 "paged_fp8" if fp8 and backend == "tilelang" else "gathered")
-            if backend == "triton" and torch.cuda.get_device_capability() == (9, 0):
+            assert plan.path == ("direct" if name == "dense one cache" else "paged_fp8" if fp8 else "gathered")
+            if backend == "triton" and not fp8 and torch.cuda.get_device_capability() == (9, 0):
                 assert plan.kernel == "triton_gluon_sm90"
             check(case, plan, case.run(plan), name=f"{name} B={batch} splits={plan.splits}")
 
@@ -591,21 +616,20 @@ def test_decode_replays_in_a_cuda_graph(backend, layout, splits):
 
 
 @pytest.mark.gpu
-def test_paged_fp8_layout_errors_name_the_caches():
-    """The paged kernel's own layout checks (16-byte aligned caches: the fp8 quantizer needs 4 bytes only)
-    name sparse_mla_decode's cache / extra_cache, not the kernel's cache0 / cache1."""
+@pytest.mark.parametrize("misaligned", ["cache", "extra_cache"])
+def test_caches_the_tilelang_paged_kernel_cannot_read_take_the_gathered_path(misaligned):
+    """The TileLang paged kernel reads rows by 16-byte cp.async; the fp8 layouts need 4-byte alignment only.
+    A cache 4 bytes off a 16-byte boundary is read by the gathered path, with the reason among the
+    dispatcher's choices, and the result is the oracle's."""
     _tilelang()
-    cache = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, 2, 16, "cuda")
-    raw = torch.zeros(cache.untyped_storage().nbytes() + 16, dtype=torch.uint8, device="cuda")
-    misaligned = raw.as_strided(cache.shape, cache.stride(), 4)  # a valid MODEL1 layout 4 bytes in
-    q = torch.zeros(1, 1, 64, 512, dtype=torch.bfloat16, device="cuda")
-    indices = torch.zeros(1, 1, 4, dtype=torch.int32, device="cuda")
-    plan = ops.plan_sparse_decode(misaligned, batch=1, s_q=1, h_q=64, topk=4, q_dtype=torch.bfloat16,
-                                  backend="tilelang")
-    assert plan.path == "paged_fp8"
-    with pytest.raises(ValueError, match="^cache: expected a 16-byte aligned"):
-        ops.sparse_mla_decode(q, misaligned, indices, 0.05, plan=plan)
-    plan = ops.plan_sparse_decode(cache, batch=1, s_q=1, h_q=64, topk=4, q_dtype=torch.bfloat16,
-                                  extra_cache=misaligned, extra_topk=4, backend="tilelang")
-    with pytest.raises(ValueError, match="^extra_cache: expected a 16-byte aligned"):
-        ops.sparse_mla_decode(q, cache, indices, 0.05, plan=plan, extra_cache=misaligned, extra_indices=indices)
+    dispatch.reset_resolution_for_tests()
+    case = _model_case(7, 4, 2, 64)
+    part = case.main if misaligned == "cache" else case.extra
+    raw = torch.zeros(part.cache.untyped_storage().nbytes() + 16, dtype=torch.uint8, device="cuda")
+    moved = raw.as_strided(part.cache.shape, part.cache.stride(), 4)  # a valid layout 4 bytes in
+    moved.copy_(part.cache)
+    part.cache = moved
+    plan = case.plan(backend="tilelang")
+    assert (plan.path, plan.kernel) == ("gathered", "tilelang_sm90")
+    assert any("needs 16-byte aligned cache bases" in c["reason"] for c in ops.kernel_choices())
+    check(case, plan, case.run(plan))

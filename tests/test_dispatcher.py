@@ -395,8 +395,7 @@ def test_every_choice_is_recorded_once_with_its_reason(caplog):
         dict(op="prefill", kernel="triton_portable", reason=interpreter),
         dict(op="decode", kernel="direct: triton_portable", reason="one dense cache, read in place"),
         dict(op="decode", kernel="gathered: triton_portable", reason="two dense caches: rows gathered into one buffer"),
-        dict(op="decode", kernel="gathered: triton_portable",
-             reason="fp8 rows dequantized into a buffer: backend triton has no paged fp8 kernel"),
+        dict(op="decode", kernel="paged_fp8: triton_paged_fp8", reason="backend triton, MODEL1 fp8 caches"),
         dict(op="prefill", kernel="ref", reason="backend='ref'"),
     ]
     assert ops.kernel_choices() == want
@@ -470,21 +469,22 @@ def test_auto_is_triton_on_a_gpu_that_is_not_sm90(fresh_process, capability, bac
 
 
 def test_decode_path_reasons(monkeypatch):
-    """Each decode path with the reason it is chosen (the paged fp8 kernel: TileLang's, either fp8 layout,
-    bf16 q), and the buffer kernel that goes with it."""
+    """Each decode path with the reason it is chosen (paged fp8 kernels: Triton's for any q dtype and
+    cache alignment, TileLang's for bf16 q and 16-byte aligned caches; either fp8 layout), and the buffer
+    kernel that goes with it."""
     dispatch.reset_resolution_for_tests()
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.setattr(dispatch, "triton_interprets", lambda: False)
     monkeypatch.setattr(dispatch, "cuda_capability", lambda device: (9, 0) if device.type == "cuda" else None)
     bf16, fp32, m1, v32 = torch.bfloat16, torch.float32, kv_cache.MODEL1, kv_cache.V32
-    cases = [  # (q dtype, device, layout, extra cache, backend) -> kernel, reason
+    cases = [  # (q dtype, device, layout, extra cache, backend[, caches 16-byte aligned]) -> kernel, reason
         ((bf16, cpu, None, False, "triton"), "direct: triton_portable", "one dense cache, read in place"),
         ((bf16, cuda, None, False, "triton"), "direct: triton_gluon_sm90", "one dense cache, read in place"),
         ((fp32, cuda, None, True, "triton"), "gathered: triton_portable",
          "two dense caches: rows gathered into one buffer"),
         ((bf16, cuda, None, True, "ref"), "gathered: ref", "two dense caches: rows gathered into one buffer"),
-        ((bf16, cuda, m1, True, "triton"), "gathered: triton_gluon_sm90",
-         "fp8 rows dequantized into a buffer: backend triton has no paged fp8 kernel"),
+        ((bf16, cuda, m1, True, "triton"), "paged_fp8: triton_paged_fp8", "backend triton, MODEL1 fp8 caches"),
+        ((fp32, cpu, v32, False, "triton", False), "paged_fp8: triton_paged_fp8", "backend triton, V32 fp8 caches"),
         ((bf16, cuda, v32, False, "ref"), "gathered: ref",
          "fp8 rows dequantized into a buffer: backend ref has no paged fp8 kernel"),
         ((bf16, cuda, m1, True, "tilelang"), "paged_fp8: tilelang_sm90_paged_fp8", "backend tilelang, MODEL1 fp8 caches"),
@@ -493,8 +493,13 @@ def test_decode_path_reasons(monkeypatch):
         ((bf16, cuda, v32, True, "tilelang"), "paged_fp8: tilelang_sm90_paged_fp8", "backend tilelang, V32 fp8 caches"),
         ((fp32, cuda, m1, True, "tilelang"), "gathered: tilelang_sm90",
          "fp8 rows dequantized into a buffer: tilelang_sm90_paged_fp8 is bf16 only, q is float32"),
+        ((bf16, cuda, m1, True, "tilelang", False), "gathered: tilelang_sm90",
+         "fp8 rows dequantized into a buffer: tilelang_sm90_paged_fp8 needs 16-byte aligned cache bases and block "
+         "strides"),
         ((bf16, cuda, None, False, "tilelang"), "direct: tilelang_sm90", "one dense cache, read in place"),
     ]
     for args, kernel, reason in cases:
-        assert dispatch.decode_path(*args) == dispatch.KernelChoice("decode", kernel, reason), args
+        *args, aligned = args if len(args) == 6 else (*args, True)
+        got = dispatch.decode_path(*args, caches_aligned16=aligned)
+        assert got == dispatch.KernelChoice("decode", kernel, reason), args
     assert len(ops.kernel_choices()) == len({(k, r) for _, k, r in cases})
