@@ -193,16 +193,17 @@ def test_automatic_split_choice():
 # views, empty caches, the plan
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("extra,splits", [(False, 1), (True, 2)])
-def test_decode_takes_views_of_any_stride(extra, splits):
+@pytest.mark.parametrize("extra,layout,splits", [(False, None, 1), (True, None, 2), (True, kv_cache.MODEL1, 1)])
+def test_decode_takes_views_of_any_stride(extra, layout, splits):
     """Dense caches, slot ids, lengths and the sink as views with non-unit strides (a cache: one row of
     each slot of a wider pool, its size-1 dim's stride not the row's; the sink also expanded from one
-    value: stride 0), on the direct path (extra False, splits 1: the kernel reads the cache and the slot
-    ids itself) and through the list launch, the gathers and the merge."""
-    args = dict(batch=3, s_q=1, h_q=64, topk=20) | (dict(extra_topk=12) if extra else {})
-    case = decode_case(15, dtype=torch.float32, device=DEVICE, **args)
+    value: stride 0), on the direct path (one dense cache, splits 1: the kernel reads the cache and the
+    slot ids itself), through the list launch, the gathers and the merge, and on the paged fp8 path (the
+    Triton kernel reads the lists, lengths and sink itself: it once read them with unit strides)."""
+    args = dict(batch=3, s_q=1, h_q=64, topk=20, layout=layout) | (dict(extra_topk=12) if extra else {})
+    case = decode_case(15, dtype=torch.float32, device=DEVICE, block_sizes=(2, 53), **args)
     ref = case.oracle()
-    for cache in (case.main, case.extra) if extra else (case.main,):
+    for cache in ((case.main, case.extra) if extra else (case.main,)) if layout is None else ():
         pool = torch.full((cache.n_slots, 3, 512), float("nan"), device=DEVICE)
         pool[:, 1:2] = cache.cache
         cache.cache = pool[:, 1:2]
