@@ -282,8 +282,9 @@ def decode_cache(gen: torch.Generator, n_slots_min: int, d: int, *, layout=None,
 
 def poison_unselected(cache: DecodeCache, indices: torch.Tensor, lengths: torch.Tensor | None) -> None:
     """NaN in every slot of `cache` that no valid entry of indices [B, s_q, topk] (with lengths [B]) selects,
-    on the cache's device: NaN rows in a dense cache; e4m3 NaN codes (0x7f) and NaN bf16 RoPE words in a
-    paged fp8 cache; NaN rows in `rows` (where kept)."""
+    on the cache's device: NaN rows in a dense cache; in a paged fp8 cache e4m3 NaN codes (0x7f), NaN bf16
+    RoPE words and NaN / inf scales (and a garbage pad byte after every MODEL1 token's scales, which no
+    reader may take for a scale); NaN rows in `rows` (where kept)."""
     b, s_q, topk = indices.shape
     c = cache.cache
     idx = indices.to(c.device).long()
@@ -300,13 +301,18 @@ def poison_unselected(cache: DecodeCache, indices: torch.Tensor, lengths: torch.
     layout = kv_cache.layout_of(c)
     num_blocks, block_size = c.shape[:2]
     raw = torch.as_strided(c.view(torch.uint8), (num_blocks, block_size * layout.bytes_per_token), (c.stride(0), 1))
-    if layout is kv_cache.MODEL1:  # per token [448 e4m3 | 64 bf16 RoPE] at t * 576 (module kv_cache.fp8)
-        tokens = raw[:, :block_size * 576].view(num_blocks, block_size, 576)
-        nope, rope = tokens[:, :, :layout.d_nope], tokens[:, :, layout.d_nope:]
-    else:  # per token [512 e4m3 | 16 B scales | 64 bf16 RoPE] at t * 656
+    unselected = ~selected.view(num_blocks, block_size)
+    if layout is kv_cache.MODEL1:  # per token [448 e4m3 | 64 bf16 RoPE] at t * 576, then 8 B per token at
+        tokens = raw[:, :block_size * 576].view(num_blocks, block_size, 576)  # bs * 576 + t * 8: 7 ue8m0
+        nope, rope = tokens[:, :, :layout.d_nope], tokens[:, :, layout.d_nope:]  # scales, 1 pad byte
+        scales = raw[:, block_size * 576:block_size * 584].view(num_blocks, block_size, 8)
+        scales[unselected] = 0xFF  # ue8m0 0xFF: NaN (the pad byte too)
+        scales[:, :, 7] = 0xFF  # the pad byte of every token, selected ones included: never a scale
+    else:  # per token [512 e4m3 | 4 fp32 scales | 64 bf16 RoPE] at t * 656
         tokens = raw.view(num_blocks, block_size, layout.bytes_per_token)
         nope, rope = tokens[:, :, :layout.d_nope], tokens[:, :, layout.d_nope + 4 * layout.num_tiles:]
-    unselected = ~selected.view(num_blocks, block_size)
+        bad_scales = torch.tensor([float("nan"), float("inf"), 1.0, float("nan")], device=c.device)
+        tokens[:, :, layout.d_nope:layout.d_nope + 4 * layout.num_tiles][unselected] = bad_scales.view(torch.uint8)
     nope[unselected] = 0x7F  # e4m3 NaN
     rope[unselected] = 0xFF  # bf16 0xFFFF: NaN
 
