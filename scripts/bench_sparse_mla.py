@@ -1,21 +1,23 @@
 """Benchmark sparse MLA prefill kernels on one GPU; prints a markdown table.
 
-Backends: `triton` (engine.h20_ops.vendor.flashmla_sparse: on an SM90 GPU its warp-specialized Gluon
-kernel), `triton portable` (the same entry point's tl kernel, what other GPUs run), `tilelang`
+Backends: `triton gluon_sm90` (engine.h20_ops.vendor.flashmla_sparse with kernel="gluon_sm90": the
+warp-specialized Gluon kernel the dispatcher runs for bf16 on an SM90), `triton portable` (kernel="portable":
+the tl kernel other GPUs run), `tilelang`
 (engine.h20_ops.attention.tilelang_sm90, when it imports; otherwise a note), and `flaggems`
 (FlagGems 5.0.2's single file flag_gems/fused/flashmla_sparse.py, loaded by path from an unpacked
 wheel: the flag_gems package itself is never imported, its import has side effects).
 
 TFLOP/s = 2 * s_q * topk * h_q * (d_qk + d_v) / time (masked slots included, as everyone counts),
 and "% GEMM" relates that to a torch bf16 8192^3 matmul timed in the same run. Each row also checks
-the first rows of the output against the fp32 oracle, so a fast wrong kernel is visible.
-Inputs: random, distinct indices per query (top-k of random keys), never zeros.
+the first rows of the output against the fp32 oracle with engine.h20_ops.testing's comparator at
+FlashMLA's prefill tolerances (the verdict column), so a fast wrong kernel is visible.
+Inputs: testing.normal_inputs (FlashMLA's distribution), distinct indices per query (top-k of random keys).
 
 Usage: python scripts/bench_sparse_mla.py [--flaggems-file .whl/flaggems/flashmla_sparse.py]
        [--sweep] [--shapes v4flash512,v32]
 `--sweep` also times several launch configurations of the portable Triton kernel (tuning data,
 docs/lab/prefill.md).
-Exits nonzero when a kernel fails or its output disagrees with the oracle.
+Exits nonzero when a Triton kernel fails or its output disagrees with the oracle.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.h20_ops.attention.reference import sparse_mla_prefill_ref  # noqa: E402
+from engine.h20_ops.testing import PREFILL_OUT, assert_close, normal_inputs  # noqa: E402
 from engine.h20_ops.vendor.flashmla_sparse import (  # noqa: E402
     KernelConfig, default_config, flash_mla_sparse_fwd)
 
@@ -72,8 +75,8 @@ SWEEP_CONFIGS = {
 
 def make_inputs(shape: Shape, seed: int = 0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(shape.s_q, shape.h_q, shape.d_qk, device="cuda", generator=gen).bfloat16()
-    kv = torch.randn(shape.s_kv, 1, shape.d_qk, device="cuda", generator=gen).bfloat16()
+    q = normal_inputs(gen, shape.s_q, shape.h_q, shape.d_qk, device="cuda").bfloat16()
+    kv = normal_inputs(gen, shape.s_kv, 1, shape.d_qk, device="cuda").bfloat16()
     indices = torch.empty(shape.s_q, 1, shape.topk, dtype=torch.int32, device="cuda")
     for start in range(0, shape.s_q, 512):  # distinct per row: top-k of random keys, in chunks
         rows = min(512, shape.s_q - start)
@@ -98,18 +101,24 @@ def gemm_tflops() -> float:
     return 2 * n ** 3 / ms / 1e9
 
 
-def oracle_error(out: torch.Tensor, q, kv, indices, sm_scale, sink) -> float:
+def oracle_verdict(out: torch.Tensor, q, kv, indices, sm_scale, sink) -> tuple[float, str]:
+    """(max |out - oracle|, "ok" or the comparator's message) on the first CHECK_ROWS rows."""
     ref = sparse_mla_prefill_ref(q[:CHECK_ROWS], kv, indices[:CHECK_ROWS], sm_scale, attn_sink=sink)
-    return (out[:CHECK_ROWS].float() - ref.out).abs().max().item()
+    err = (out[:CHECK_ROWS].float() - ref.out).abs().max().item()
+    try:
+        assert_close("out", out[:CHECK_ROWS], ref.out, PREFILL_OUT)
+    except AssertionError as exc:
+        return err, str(exc).splitlines()[0]
+    return err, "ok"
 
 
-def time_backend(fn, shape: Shape, inputs, gemm: float) -> tuple[str, float, float, float, float]:
+def time_backend(fn, shape: Shape, inputs, gemm: float) -> tuple[float, float, float, float, str]:
     q, kv, indices, sm_scale, sink = inputs
     out = fn(q, kv, indices, sm_scale, 512, sink)[0]
-    err = oracle_error(out, q, kv, indices, sm_scale, sink)
+    err, verdict = oracle_verdict(out, q, kv, indices, sm_scale, sink)
     ms = triton.testing.do_bench(lambda: fn(q, kv, indices, sm_scale, 512, sink), warmup=10, rep=100)
     tflops = shape.flops() / ms / 1e9
-    return ms, tflops, 100.0 * tflops / gemm, err
+    return ms, tflops, 100.0 * tflops / gemm, err, verdict
 
 
 def main() -> int:
@@ -123,10 +132,12 @@ def main() -> int:
         print("bench_sparse_mla: needs a CUDA GPU", file=sys.stderr)
         return 2
 
-    portable = default_config(torch.bfloat16)
-    backends = {"triton": flash_mla_sparse_fwd,
-                "triton portable": lambda *args: flash_mla_sparse_fwd(*args, config=portable)}
+    backends = {"triton gluon_sm90": lambda *args: flash_mla_sparse_fwd(*args, kernel="gluon_sm90"),
+                "triton portable": lambda *args: flash_mla_sparse_fwd(*args, kernel="portable")}
     notes = []
+    if torch.cuda.get_device_capability() != (9, 0):
+        del backends["triton gluon_sm90"]
+        notes.append("triton gluon_sm90 skipped: not an SM90 GPU")
     try:
         from engine.h20_ops.attention.tilelang_sm90 import sparse_mla_fwd_sm90
         backends["tilelang"] = sparse_mla_fwd_sm90
@@ -146,8 +157,8 @@ def main() -> int:
     for note in notes:
         print(f"note: {note}")
     print()
-    print("| shape | s_q | s_kv | h_q | d_qk | topk | backend | ms | TFLOP/s | % GEMM | max err vs oracle |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape | s_q | s_kv | h_q | d_qk | topk | backend | ms | TFLOP/s | % GEMM | max err vs oracle | verdict |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     failures = 0
     sweep_rows = []
     for key in args.shapes.split(","):
@@ -156,24 +167,22 @@ def main() -> int:
         head = f"| {shape.name} | {shape.s_q} | {shape.s_kv} | {shape.h_q} | {shape.d_qk} | {shape.topk}"
         for name, fn in backends.items():
             try:
-                ms, tflops, pct, err = time_backend(fn, shape, inputs, gemm)
+                ms, tflops, pct, err, verdict = time_backend(fn, shape, inputs, gemm)
             except Exception:
                 traceback.print_exc()
-                print(f"{head} | {name} | failed | | | |", flush=True)
+                print(f"{head} | {name} | failed | | | | |", flush=True)
                 failures += name.startswith("triton")
                 continue
-            bad = name.startswith("triton") and not err < 1e-2
-            failures += bad
-            print(f"{head} | {name} | {ms:.3f} | {tflops:.1f} | {pct:.1f} | {err:.2e}{' FAIL' if bad else ''} |",
-                  flush=True)
+            failures += name.startswith("triton") and verdict != "ok"
+            print(f"{head} | {name} | {ms:.3f} | {tflops:.1f} | {pct:.1f} | {err:.2e} | {verdict} |", flush=True)
         if args.sweep:
             for cfg in SWEEP_CONFIGS[shape.d_qk]:
                 def run(q, kv, indices, sm_scale, d_v, sink, cfg=cfg):
-                    return flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, sink, config=cfg)
+                    return flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, sink, kernel="portable", config=cfg)
                 head_cfg = f"| {shape.name} | {cfg.block_k} | {cfg.num_warps} | {cfg.num_stages} | "
                 try:
-                    ms, tflops, pct, err = time_backend(run, shape, inputs, gemm)
-                    sweep_rows.append(f"{head_cfg}{ms:.3f} | {tflops:.1f} | {err:.2e} |")
+                    ms, tflops, pct, err, verdict = time_backend(run, shape, inputs, gemm)
+                    sweep_rows.append(f"{head_cfg}{ms:.3f} | {tflops:.1f} | {err:.2e} | {verdict} |")
                 except Exception as exc:
                     sweep_rows.append(f"{head_cfg}failed: {str(exc).splitlines()[0][:80]} | | |")
                 print(sweep_rows[-1], flush=True)
@@ -182,8 +191,8 @@ def main() -> int:
     if sweep_rows:
         default = default_config(torch.bfloat16)
         print(f"\nTriton launch sweep (defaults: {default})")
-        print("| shape | block_k | num_warps | num_stages | ms | TFLOP/s | max err vs oracle |")
-        print("|---|---|---|---|---|---|---|")
+        print("| shape | block_k | num_warps | num_stages | ms | TFLOP/s | max err vs oracle | verdict |")
+        print("|---|---|---|---|---|---|---|---|")
         print("\n".join(sweep_rows))
     if failures:
         print(f"\n{failures} Triton failure(s)", file=sys.stderr)

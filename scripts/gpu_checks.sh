@@ -49,12 +49,12 @@ for s in "$@"; do
                 fail=0; for j in $(jobs -p); do wait $j || fail=1; done; exit $fail' ;;
         tests) step tests 400 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_mla_ref.py \
                 tests/test_dispatcher.py tests/test_flashmla_sparse.py tests/test_sparse_mla_sm90.py \
-                tests/test_sparse_mla_sm90_paged_fp8.py tests/test_attn_sm90.py tests/test_kv_quant.py \
+                tests/test_sparse_mla_sm90_paged_fp8.py tests/test_decode.py tests/test_prefill.py tests/test_kv_quant.py \
                 tests/test_fused_sample.py ;;
         tests-no-tilelang)  # the Triton-backend files with the bundle off the path: the Triton backend on this GPU
             # (what a node without TileLang runs; on an image without TileLang of its own)
             step tests_no_tilelang 300 env PYTHONPATH="$PWD" python3 -m pytest -q -p no:cacheprovider \
-                tests/test_dispatcher.py tests/test_flashmla_sparse.py tests/test_attn_sm90.py tests/test_kv_quant.py \
+                tests/test_dispatcher.py tests/test_flashmla_sparse.py tests/test_decode.py tests/test_prefill.py tests/test_kv_quant.py \
                 tests/test_fused_sample.py ;;
         engine) step engine 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_model_engine.py -m gpu ;;
         memcheck)

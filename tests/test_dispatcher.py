@@ -1,4 +1,5 @@
-"""Backend resolution (auto, explicit, simulated absence, broken installs) and the lse convention."""
+"""The dispatcher: backend resolution (auto, explicit, simulated absence, broken installs), every kernel
+choice (prefill kernel, decode path) with its reason, recorded and logged once, and the lse convention."""
 
 import importlib.abc
 import logging
@@ -11,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import engine.h20_ops as ops
 from engine import config
-from engine.h20_ops import backend_select
+from engine.h20_ops import backend_select, kv_cache, testing
 from engine.h20_ops.attention import dispatch
-from engine.h20_ops.attention.reference import sparse_mla_prefill_ref
+from engine.h20_ops.vendor.flashmla_sparse import flash_mla_sparse_fwd
 
 KERNEL_MODULE = dispatch.TILELANG_KERNEL_MODULE
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +36,8 @@ def fresh_process(monkeypatch):
         del sys.modules[name]
     saved_meta_path = list(sys.meta_path)
     dispatch.reset_resolution_for_tests()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # resolution as on a GPU node
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # resolution as on an SM90 GPU node
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     yield monkeypatch
     dispatch.reset_resolution_for_tests()
     sys.meta_path[:] = saved_meta_path
@@ -176,20 +179,27 @@ def test_simulation_also_hides_an_already_imported_tilelang(fresh_process):
 
 def test_simulation_blocks_explicit_backends_too(tmp_path):
     """DEEPINFER_SIMULATE_NO_TILELANG=1 in a new process: with no resolution, an explicit
-    backend='tilelang' argument (prefill, paged fp8, sampling) is a clear error, and every TileLang
-    import after it fails."""
+    backend='tilelang' argument (prefill, decode over dense rows, the paged fp8 path, sampling) is a clear
+    error, and every TileLang import after it fails."""
     stdout = _probe_with_simulation(
         tmp_path,
         "import importlib, torch\n"
+        "import engine.h20_ops as ops\n"
+        "from engine.h20_ops import kv_cache\n"
         "from engine.h20_ops.attention import dispatch\n"
         "from engine.h20_ops.sampling import dispatch as sampling\n"
         "from engine.h20_ops.backend_select import TileLangUnavailableError\n"
         "bf16 = dict(dtype=torch.bfloat16)\n"
+        "q, idx = torch.zeros(1, 1, 64, 512, **bf16), torch.zeros(1, 1, 1, dtype=torch.int32)\n"
+        "def decode(cache):\n"
+        "    plan = ops.plan_sparse_decode(cache, batch=1, s_q=1, h_q=64, topk=1, q_dtype=torch.bfloat16,\n"
+        "                                  backend='tilelang')\n"
+        "    return ops.sparse_mla_decode(q, cache, idx, 0.1, plan=plan)\n"
         "calls = {\n"
-        "    'prefill': lambda: dispatch.sparse_mla_fwd(torch.zeros(1, 64, 512, **bf16),\n"
-        "                                             torch.zeros(1, 1, 512, **bf16),\n"
-        "                                             torch.zeros(1, 1, dtype=torch.int32), 0.1, backend='tilelang'),\n"
-        "    'paged': lambda: dispatch.sparse_mla_paged_fp8_fwd(None, None, None, None, 0.1, backend='tilelang'),\n"
+        "    'prefill': lambda: ops.sparse_mla_prefill(q[0], torch.zeros(1, 1, 512, **bf16), idx[0], 0.1,\n"
+        "                                              backend='tilelang'),\n"
+        "    'decode': lambda: decode(torch.zeros(1, 1, 512, **bf16)),\n"
+        "    'paged': lambda: decode(kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, 1, 16, 'cpu')),\n"
         "    'sample': lambda: sampling._implementation('tilelang', 'logits', torch.zeros(1, 4)),\n"
         "}\n"
         "for name, call in calls.items():\n"
@@ -205,7 +215,7 @@ def test_simulation_blocks_explicit_backends_too(tmp_path):
         "    except ModuleNotFoundError as exc:\n"
         "        print(name, 'blocked', exc.name)\n")
     assert stdout.split("\n")[:-1] == [
-        "prefill unavailable True", "paged unavailable True", "sample unavailable True",
+        "prefill unavailable True", "decode unavailable True", "paged unavailable True", "sample unavailable True",
         "tilelang blocked tilelang", "tilelang.language blocked tilelang",
         f"{dispatch.TILELANG_KERNEL_MODULE} blocked tilelang"]
 
@@ -235,9 +245,9 @@ def test_bad_value_is_a_clear_error(fresh_process):
     fresh_process.setenv("DEEPINFER_SPARSE_MLA_BACKEND", "flashmla")
     with pytest.raises(config.ConfigError, match="DEEPINFER_SPARSE_MLA_BACKEND='flashmla'.*tilelang, triton, ref"):
         dispatch.resolve_backend()
-    with pytest.raises(ValueError, match="^backend"):
-        dispatch.sparse_mla_fwd(torch.zeros(1, 64, 512), torch.zeros(1, 1, 512),
-                                  torch.zeros(1, 1, dtype=torch.int32), 0.1, backend="cuda")
+    with pytest.raises(ValueError, match="^backend: expected one of ref, triton, tilelang or None, got 'cuda'"):
+        ops.sparse_mla_prefill(torch.zeros(1, 64, 512), torch.zeros(1, 1, 512), torch.zeros(1, 1, dtype=torch.int32),
+                               0.1, backend="cuda")
 
 
 def test_no_cuda_resolves_to_the_triton_interpreter(fresh_process):
@@ -248,16 +258,18 @@ def test_no_cuda_resolves_to_the_triton_interpreter(fresh_process):
 
 _INTERPRETER_PROBE = """
 import torch
-from engine.h20_ops import sampling
+import engine.h20_ops as ops
+from engine.h20_ops import sampling, testing
 from engine.h20_ops.attention import dispatch
 
 print(dispatch.backend_resolution().reason)
 q, kv = 0.1 * torch.randn(2, 64, 512), 0.1 * torch.randn(8, 1, 512)
 idx = torch.tensor([[0, 3], [5, -1]], dtype=torch.int32)
 try:
-    out, _ = dispatch.sparse_mla_fwd(q, kv, idx, 0.05, backend="triton")
-    ref, _ = dispatch.sparse_mla_fwd(q, kv, idx, 0.05, backend="ref")
-    print("attention", float((out - ref).abs().max()) < 1e-4)
+    out = ops.sparse_mla_prefill(q, kv, idx, 0.05, backend="triton")
+    ref = ops.sparse_mla_prefill(q, kv, idx, 0.05, backend="ref")
+    testing.assert_close("out", out.out, ref.out, testing.EXACT_FP32)
+    print("attention", True)
 except ValueError as exc:
     print("attention error:", exc)
 try:
@@ -292,15 +304,18 @@ def test_interpreter_turned_off_without_cuda_is_named(tmp_path):
         "TRITON_INTERPRET=1), got device cpu"]
 
 
-def test_paged_fp8_entry_validates_its_backend(fresh_process):
-    """An unknown backend is named as such, not as a backend without a paged kernel."""
-    for call in (lambda: dispatch.paged_fp8_supported("TileLang"),
-                 lambda: dispatch.sparse_mla_paged_fp8_fwd(None, None, None, None, 0.1, backend="bogus")):
-        with pytest.raises(ValueError, match="^backend: expected one of ref, triton, tilelang or None"):
+def test_decode_entry_validates_its_backend():
+    """An unknown backend is named as such (not as a backend without a paged kernel), and only a
+    paged fp8 kernel the dispatcher knows runs."""
+    cache = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, 1, 16, "cpu")
+    for call in (lambda: ops.plan_sparse_decode(cache, batch=1, s_q=1, h_q=64, topk=1, q_dtype=torch.bfloat16,
+                                                backend="TileLang"),
+                 lambda: dispatch.decode_path(torch.bfloat16, cache.device, kv_cache.MODEL1, False, "bogus")):
+        with pytest.raises(ValueError, match="^backend: expected one of ref, triton, tilelang or None, got"):
             call()
-    assert not dispatch.paged_fp8_supported("triton")
-    with pytest.raises(ValueError, match="^backend: the paged fp8 kernel exists for tilelang only, got 'ref'"):
-        dispatch.sparse_mla_paged_fp8_fwd(None, None, None, None, 0.1, backend="ref")
+    with pytest.raises(ValueError, match="^kernel: no paged fp8 kernel named 'triton_portable'"):
+        dispatch.run_paged_fp8_kernel("triton_portable", None, cache, None, None, 0.1, None, None,
+                                      cache_names=("cache", "extra_cache"))
 
 
 def test_log_line_names_the_dp_rank(fresh_process, caplog):
@@ -325,27 +340,24 @@ def test_logged_once_per_process(fresh_process, caplog):
 
 @pytest.mark.parametrize("backend", ["ref", "triton"])
 def test_lse_is_base_2_whichever_backend(backend):
-    """Engine lse / the backend's own natural lse == log2(e) exactly (up to fp32 rounding): a missing
+    """Engine lse / the kernel's own natural lse == log2(e) exactly (up to fp32 rounding): a missing
     conversion (ratio 1) or an inverted one (ln 2) fails."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator().manual_seed(7)
-    q = (torch.randn(3, 64, 512, generator=gen) * 0.1).bfloat16().to(device)
-    kv = (torch.randn(40, 1, 512, generator=gen) * 0.1).bfloat16().to(device)
-    idx = torch.randint(0, 40, (3, 16), generator=gen, dtype=torch.int32).to(device)
-    idx[2] = -1  # empty row: +inf in both bases
-    out, lse2 = dispatch.sparse_mla_fwd(q, kv, idx, 3.0, backend=backend)
+    case = testing.prefill_case(7, s_q=3, h_q=64, d_qk=512, s_kv=40, topk=16, device=device)
+    case.indices[2] = -1  # empty row: +inf in both bases
+    res = ops.sparse_mla_prefill(case.q, case.kv, case.indices, case.sm_scale, backend=backend)
     if backend == "triton":
-        from engine.h20_ops.vendor.flashmla_sparse import flash_mla_sparse_fwd
-        natural = flash_mla_sparse_fwd(q, kv, idx, 3.0)[2]
+        kernel = dispatch.prefill_kernel(case.q, case.kv, backend).kernel.removeprefix("triton_")
+        natural = flash_mla_sparse_fwd(case.q, case.kv, case.indices, case.sm_scale, kernel=kernel)[2]
     else:
-        natural = sparse_mla_prefill_ref(q, kv, idx, 3.0).lse
-    assert out.dtype == torch.bfloat16 and lse2.dtype == torch.float32
+        natural = case.oracle().lse
+    assert res.out.dtype == torch.bfloat16 and res.lse_log2.dtype == torch.float32
     assert natural[:2].abs().min() > 1.0  # a ratio far from 0/0
-    ratio = (lse2[:2] / natural[:2]).double()
-    assert torch.allclose(ratio, torch.full_like(ratio, 1 / math.log(2)), rtol=1e-6)
-    assert torch.all(lse2[2] == math.inf)
-    oracle = sparse_mla_prefill_ref(q, kv, idx, 3.0).lse[:2] / math.log(2)
-    torch.testing.assert_close(lse2[:2], oracle, rtol=2.01 / 65536, atol=1e-6)
+    ratio = res.lse_log2[:2] / natural[:2]
+    testing.assert_close("lse_log2 / natural lse", ratio, torch.full_like(ratio, 1 / math.log(2)),
+                         testing.FP32_RELATIVE)
+    assert torch.all(res.lse_log2[2] == math.inf)
+    testing.assert_matches_oracle(res, case.oracle(), decode=False)
 
 
 def test_missing_tilelang_dependency_is_a_broken_install_not_absence(fresh_process):
@@ -354,3 +366,140 @@ def test_missing_tilelang_dependency_is_a_broken_install_not_absence(fresh_proce
     with pytest.raises(ImportError, match="tvm_ffi") as err:
         dispatch.resolve_backend()
     assert not isinstance(err.value, ModuleNotFoundError)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel choices: each with its reason, recorded and logged once per process
+# ---------------------------------------------------------------------------------------------
+
+def _choice_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == dispatch.__name__]
+
+
+def test_every_choice_is_recorded_once_with_its_reason(caplog):
+    """Several calls of each kind: kernel_choices() lists each distinct choice once, in order, with its
+    reason, and each is logged once (the CPU's kernels: the portable Triton kernel under the interpreter)."""
+    dispatch.reset_resolution_for_tests()
+    prefill = testing.prefill_case(1, s_q=2, h_q=64, d_qk=512, s_kv=16, topk=8)
+    dense = testing.decode_case(2, batch=1, s_q=1, h_q=64, topk=8)
+    two = testing.decode_case(3, batch=1, s_q=1, h_q=64, topk=8, extra_topk=4)
+    fp8 = testing.decode_case(4, batch=1, s_q=1, h_q=64, topk=8, extra_topk=4, layout=kv_cache.MODEL1)
+    with caplog.at_level(logging.INFO, logger=dispatch.__name__):
+        for _ in range(2):
+            ops.sparse_mla_prefill(prefill.q, prefill.kv, prefill.indices, prefill.sm_scale, backend="triton")
+            for case in (dense, two, fp8):
+                case.run(case.plan(backend="triton"))
+            ops.sparse_mla_prefill(prefill.q, prefill.kv, prefill.indices, prefill.sm_scale, backend="ref")
+    interpreter = "Triton's interpreter (no CUDA device)"
+    want = [
+        dict(op="prefill", kernel="triton_portable", reason=interpreter),
+        dict(op="decode", kernel="direct: triton_portable", reason="one dense cache, read in place"),
+        dict(op="decode", kernel="gathered: triton_portable", reason="two dense caches: rows gathered into one buffer"),
+        dict(op="decode", kernel="paged_fp8: triton_paged_fp8", reason="backend triton, MODEL1 fp8 caches"),
+        dict(op="prefill", kernel="ref", reason="backend='ref'"),
+    ]
+    assert ops.kernel_choices() == want
+    assert _choice_lines(caplog) == [f"sparse MLA {c['op']} kernel: {c['kernel']} ({c['reason']})" for c in want]
+
+
+class _CudaTensorStandIn:
+    """What the dispatcher reads of a CUDA tensor to choose a prefill kernel (no GPU needed)."""
+
+    is_cuda = True
+    device = torch.device("cuda", 0)
+
+    def __init__(self, dtype, strides, data_ptr=0):
+        self.dtype, self._strides, self._data_ptr = dtype, strides, data_ptr
+
+    def stride(self, dim):
+        return self._strides[dim]
+
+    def data_ptr(self):
+        return self._data_ptr
+
+
+def test_prefill_kernel_for_the_tensors_at_hand(monkeypatch, caplog):
+    """On an SM90 GPU bf16 with 16-byte aligned rows gets the Gluon kernel; float32, another GPU, and rows
+    16-byte cp.async cannot read (a start or a row stride off 16 bytes) get the portable Triton kernel,
+    each reason logged once however often it recurs."""
+    from engine.h20_ops.vendor import flashmla_sparse_gluon_sm90 as gluon
+
+    dispatch.reset_resolution_for_tests()
+    monkeypatch.setattr(gluon, "triton_interprets", lambda: False)
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(gluon, "cuda_capability", lambda device: capability["value"])
+    bf16, fp32 = torch.bfloat16, torch.float32
+    cost = "the portable kernel takes them, ~1.5x slower"
+    kv = _CudaTensorStandIn(bf16, (576, 576, 1))
+    cases = [  # q, kv, (9, 0) or another capability -> kernel, reason
+        (_CudaTensorStandIn(bf16, (64 * 576, 576, 1)), kv, (9, 0), "triton_gluon_sm90",
+         "bf16 on SM90, 16-byte aligned rows"),
+        (_CudaTensorStandIn(fp32, (64 * 576, 576, 1)), kv, (9, 0), "triton_portable",
+         "q is float32 (the Gluon kernel is bf16 only)"),
+        (_CudaTensorStandIn(bf16, (64 * 576, 576, 1)), kv, (8, 0), "triton_portable", "GPU sm_80 is not SM90"),
+        (_CudaTensorStandIn(bf16, (64 * 584, 584, 1)), kv, (9, 0), "triton_portable",
+         f"q / kv rows not 16-byte aligned (row strides (37376, 584, 576) elements, data_ptr % 16 = 0 / 0; {cost})"),
+        (_CudaTensorStandIn(bf16, (64 * 576, 576, 1), data_ptr=8), kv, (9, 0), "triton_portable",
+         f"q / kv rows not 16-byte aligned (row strides (36864, 576, 576) elements, data_ptr % 16 = 8 / 0; {cost})"),
+        (_CudaTensorStandIn(bf16, (64 * 576, 576, 1)), _CudaTensorStandIn(bf16, (584, 584, 1)), (9, 0),
+         "triton_portable", f"q / kv rows not 16-byte aligned (row strides (36864, 576, 584) elements, "
+                            f"data_ptr % 16 = 0 / 0; {cost})"),
+    ]
+    with caplog.at_level(logging.INFO, logger=dispatch.__name__):
+        for _ in range(2):
+            for q, kv_, cap, kernel, reason in cases:
+                capability["value"] = cap
+                assert dispatch.prefill_kernel(q, kv_, "triton") == dispatch.KernelChoice("prefill", kernel, reason)
+    want = [f"sparse MLA prefill kernel: {kernel} ({reason})" for _, _, _, kernel, reason in cases]
+    assert _choice_lines(caplog) == want
+    assert [c["reason"] for c in ops.kernel_choices()] == [reason for *_, reason in cases]
+
+
+@pytest.mark.parametrize("capability,backend,reason", [
+    ((8, 0), "triton", "auto: GPU sm_80 is not SM90 (the TileLang kernels are built for sm_90a)"),
+    ((10, 0), "triton", "auto: GPU sm_100 is not SM90 (the TileLang kernels are built for sm_90a)"),
+    ((9, 0), "tilelang", "auto: TileLang kernel module imported"),
+])
+def test_auto_is_triton_on_a_gpu_that_is_not_sm90(fresh_process, capability, backend, reason):
+    """TileLang importable (its kernel module is): auto takes it on an SM90 only."""
+    fresh_process.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    fresh_process.setitem(sys.modules, KERNEL_MODULE, _fake_kernel_module())
+    res = dispatch.backend_resolution()
+    assert (res.backend, res.reason, res.tilelang_missing) == (backend, reason, None)
+
+
+def test_decode_path_reasons(monkeypatch):
+    """Each decode path with the reason it is chosen (paged fp8 kernels: Triton's for any q dtype and
+    cache alignment, TileLang's for bf16 q and 16-byte aligned caches; either fp8 layout), and the buffer
+    kernel that goes with it."""
+    dispatch.reset_resolution_for_tests()
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.setattr(dispatch, "triton_interprets", lambda: False)
+    monkeypatch.setattr(dispatch, "cuda_capability", lambda device: (9, 0) if device.type == "cuda" else None)
+    bf16, fp32, m1, v32 = torch.bfloat16, torch.float32, kv_cache.MODEL1, kv_cache.V32
+    cases = [  # (q dtype, device, layout, extra cache, backend[, caches 16-byte aligned]) -> kernel, reason
+        ((bf16, cpu, None, False, "triton"), "direct: triton_portable", "one dense cache, read in place"),
+        ((bf16, cuda, None, False, "triton"), "direct: triton_gluon_sm90", "one dense cache, read in place"),
+        ((fp32, cuda, None, True, "triton"), "gathered: triton_portable",
+         "two dense caches: rows gathered into one buffer"),
+        ((bf16, cuda, None, True, "ref"), "gathered: ref", "two dense caches: rows gathered into one buffer"),
+        ((bf16, cuda, m1, True, "triton"), "paged_fp8: triton_paged_fp8", "backend triton, MODEL1 fp8 caches"),
+        ((fp32, cpu, v32, False, "triton", False), "paged_fp8: triton_paged_fp8", "backend triton, V32 fp8 caches"),
+        ((bf16, cuda, v32, False, "ref"), "gathered: ref",
+         "fp8 rows dequantized into a buffer: backend ref has no paged fp8 kernel"),
+        ((bf16, cuda, m1, True, "tilelang"), "paged_fp8: tilelang_sm90_paged_fp8", "backend tilelang, MODEL1 fp8 caches"),
+        ((bf16, cuda, m1, False, "tilelang"), "paged_fp8: tilelang_sm90_paged_fp8",
+         "backend tilelang, MODEL1 fp8 caches"),
+        ((bf16, cuda, v32, True, "tilelang"), "paged_fp8: tilelang_sm90_paged_fp8", "backend tilelang, V32 fp8 caches"),
+        ((fp32, cuda, m1, True, "tilelang"), "gathered: tilelang_sm90",
+         "fp8 rows dequantized into a buffer: tilelang_sm90_paged_fp8 is bf16 only, q is float32"),
+        ((bf16, cuda, m1, True, "tilelang", False), "gathered: tilelang_sm90",
+         "fp8 rows dequantized into a buffer: tilelang_sm90_paged_fp8 needs 16-byte aligned cache bases and block "
+         "strides"),
+        ((bf16, cuda, None, False, "tilelang"), "direct: tilelang_sm90", "one dense cache, read in place"),
+    ]
+    for args, kernel, reason in cases:
+        *args, aligned = args if len(args) == 6 else (*args, True)
+        got = dispatch.decode_path(*args, caches_aligned16=aligned)
+        assert got == dispatch.KernelChoice("decode", kernel, reason), args
+    assert len(ops.kernel_choices()) == len({(k, r) for _, k, r in cases})

@@ -1,10 +1,11 @@
 """The pure-Triton sparse MLA kernels (engine.h20_ops.vendor.flashmla_sparse) against the fp32 oracle.
 
 The same matrix runs on CPU (Triton interpreter: the portable kernel) or, when CUDA is present, on the
-GPU with bf16 tensor-core dots (on SM90 the Gluon kernel for bf16; the portable kernel is checked there
-by its own GPU tests below). Tolerances are FlashMLA's own (docs/contract.md, "Tolerances"): out
-abs 8e-4 or rel 3.01/128 per element and cosine distance <= 7e-6; lse and max_logits abs 1e-6 or
-rel 2.01/65536; +inf/-inf/NaN positions exact.
+GPU with bf16 tensor-core dots (on SM90 the Gluon kernel for bf16 with aligned rows, as the dispatcher
+chooses; the portable kernel is checked there by its own GPU tests below). The comparator and the
+tolerances are engine.h20_ops.testing's (FlashMLA's own, docs/contract.md "Tolerances": out abs 8e-4 or
+rel 3.01/128 per element and cosine distance <= 7e-6; lse and max_logits abs 1e-6 or rel 2.01/65536;
++inf/-inf/NaN positions exact), on its input distribution (testing.normal_inputs).
 """
 
 from __future__ import annotations
@@ -12,83 +13,51 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.h20_ops import testing
+from engine.h20_ops.attention import dispatch
 from engine.h20_ops.attention.reference import sparse_mla_prefill_ref
+from engine.h20_ops.testing import INT32_MAX, INT32_MIN, PREFILL_OUT, PREFILL_STATS, assert_close, poison_rows
 from engine.h20_ops.vendor import flashmla_sparse
 from engine.h20_ops.vendor.flashmla_sparse import flash_mla_sparse_fwd
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-OUT_TOL = dict(abs_tol=8e-4, rel_tol=3.01 / 128, cos_tol=7e-6)
-STAT_TOL = dict(abs_tol=1e-6, rel_tol=2.01 / 65536)
-
-
-def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, *, abs_tol: float, rel_tol: float,
-                 cos_tol: float | None = None) -> None:
-    got, ref = got.double(), ref.double().to(got.device)
-    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    for kind, fn in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
-        mismatch = fn(got) != fn(ref)
-        assert not mismatch.any(), f"{name}: {kind} positions differ at {mismatch.nonzero()[:5].tolist()}"
-    finite = torch.isfinite(ref)
-    g, r = got[finite], ref[finite]
-    err = (g - r).abs()
-    bad = (err >= abs_tol) & (err / (r.abs() + 1e-6) >= rel_tol)
-    assert not bad.any(), (f"{name}: {int(bad.sum())} of {g.numel()} elements out of tolerance; "
-                           f"worst abs err {err.max().item():.3g}")
-    if cos_tol is not None and g.numel():
-        denom = (g * g + r * r).sum()
-        cos_dist = (1 - 2 * (g * r).sum() / denom).item() if denom > 0 else 0.0
-        assert cos_dist <= cos_tol, f"{name}: cosine distance {cos_dist:.3g} > {cos_tol}"
 
 
 def random_indices(gen: torch.Generator, s_q: int, s_kv: int, topk: int, n_valid: int,
                    fillers: tuple[int, ...] = (-1,), distinct: bool = True) -> torch.Tensor:
-    """[s_q, 1, topk] int32: per row n_valid valid entries at random positions anywhere in the list
-    (distinct rows unless `distinct` is False), the other positions a random choice of `fillers`."""
-    idx = torch.tensor(fillers, dtype=torch.int64)[torch.randint(len(fillers), (s_q, topk), generator=gen)]
-    for row in range(s_q):
-        positions = torch.randperm(topk, generator=gen)[:n_valid]
-        if distinct:
-            values = torch.randperm(s_kv, generator=gen)[:n_valid]
-        else:
-            values = torch.randint(s_kv, (n_valid,), generator=gen)
-        idx[row, positions] = values
-    return idx.to(torch.int32)[:, None, :]
-
-
-def poison_unselected(kv: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """NaN (and some +-inf) in every kv row that no valid entry selects."""
-    s_kv = kv.size(0)
-    flat = indices.reshape(-1).long()
-    selected = torch.zeros(s_kv, dtype=torch.bool)
-    selected[flat[(flat >= 0) & (flat < s_kv)]] = True
-    kv = kv.clone()
-    unselected = (~selected).nonzero().flatten()
-    kv[unselected] = float("nan")
-    kv[unselected[::3]] = float("inf")
-    kv[unselected[1::3]] = float("-inf")
-    return kv
+    """[s_q, 1, topk] int32 (testing.random_indices in the kernel's 3-D form)."""
+    return testing.random_indices(gen, s_q, s_kv, topk, n_valid, fillers, distinct)[:, None, :]
 
 
 def make_inputs(seed: int, s_q: int, h_q: int, d_qk: int, s_kv: int, dtype=torch.bfloat16, scale: float = 0.1,
                 device: str = "cpu"):
-    """q, kv ~ scale * N(0, 1) + a random offset in +-scale/2: FlashMLA's test distribution at the
-    default scale, for which its tolerances are made (the kernel's P.V takes P in bf16)."""
+    """q, kv from testing.normal_inputs (FlashMLA's distribution at the default scale), drawn on `device`."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    offsets = (torch.rand(2, generator=gen, device=device) - 0.5) * scale
-    q = (torch.randn(s_q, h_q, d_qk, generator=gen, device=device) * scale + offsets[0]).to(dtype)
-    kv = (torch.randn(s_kv, 1, d_qk, generator=gen, device=device) * scale + offsets[1]).to(dtype)
+    q = testing.normal_inputs(gen, s_q, h_q, d_qk, scale=scale, device=device).to(dtype)
+    kv = testing.normal_inputs(gen, s_kv, 1, d_qk, scale=scale, device=device).to(dtype)
     return gen, q, kv
 
 
-def check_against_oracle(q, kv, indices, sm_scale, attn_sink=None, topk_length=None,
-                         out_tol=OUT_TOL, stat_tol=STAT_TOL, rows: torch.Tensor | None = None, config=None):
+def kernel_for(q: torch.Tensor, kv: torch.Tensor) -> str:
+    """The kernel the dispatcher chooses for (q, kv) on the triton backend, as flash_mla_sparse_fwd names it."""
+    return dispatch.prefill_kernel(q, kv, "triton").kernel.removeprefix("triton_")
+
+
+def run(q, kv, indices, sm_scale, **kwargs):
+    """flash_mla_sparse_fwd with the dispatcher's kernel for these tensors."""
+    return flash_mla_sparse_fwd(q, kv, indices, sm_scale, kernel=kernel_for(q, kv), **kwargs)
+
+
+def check_against_oracle(q, kv, indices, sm_scale, attn_sink=None, topk_length=None, out_tol=PREFILL_OUT,
+                         rows: torch.Tensor | None = None, config=None):
     """Run the kernel on DEVICE and compare with the oracle (on `rows` of the queries only, if given).
-    `config` selects the portable kernel (on an SM90 GPU bf16 otherwise runs the Gluon kernel)."""
+    `config` selects the portable kernel (otherwise the dispatcher's choice: on an SM90 GPU bf16 with
+    aligned rows runs the Gluon kernel)."""
     q, kv, indices, attn_sink, topk_length = (None if t is None else t.to(DEVICE)
                                               for t in (q, kv, indices, attn_sink, topk_length))
+    kernel = "portable" if config is not None else kernel_for(q, kv)
     out, max_logits, lse = flash_mla_sparse_fwd(q, kv, indices, sm_scale, attn_sink=attn_sink,
-                                                topk_length=topk_length, config=config)
+                                                topk_length=topk_length, kernel=kernel, config=config)
     assert out.dtype == q.dtype and out.shape == (*q.shape[:2], 512)
     assert max_logits.dtype == torch.float32 and lse.dtype == torch.float32
     if rows is not None:
@@ -96,9 +65,9 @@ def check_against_oracle(q, kv, indices, sm_scale, attn_sink=None, topk_length=N
         q, indices, out, max_logits, lse = q[rows], indices[rows], out[rows], max_logits[rows], lse[rows]
         topk_length = None if topk_length is None else topk_length[rows]
     ref = sparse_mla_prefill_ref(q, kv, indices, sm_scale, attn_sink=attn_sink, topk_length=topk_length)
-    assert_close("out", out, ref.out, **out_tol)
-    assert_close("max_logits", max_logits, ref.max_logits, **stat_tol)
-    assert_close("lse", lse, ref.lse, **stat_tol)
+    assert_close("out", out, ref.out, testing.out_tolerance(out_tol, out))
+    assert_close("max_logits", max_logits, ref.max_logits, PREFILL_STATS)
+    assert_close("lse", lse, ref.lse, PREFILL_STATS)
     return out.cpu(), max_logits.cpu(), lse.cpu(), ref
 
 
@@ -108,7 +77,7 @@ def test_matches_oracle(s_q, h_q, d_qk):
     s_kv, topk = 300, 100  # topk not a multiple of the kernel's block: the tail block is masked
     gen, q, kv = make_inputs(s_q * 1000 + h_q + d_qk, s_q, h_q, d_qk, s_kv)
     indices = random_indices(gen, s_q, s_kv, topk, n_valid=90, fillers=(-1, s_kv, INT32_MAX))
-    kv = poison_unselected(kv, indices)
+    kv = poison_rows(kv, indices)
     sink = torch.randn(h_q, generator=gen)
     check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=sink)
 
@@ -128,7 +97,7 @@ def test_invalid_fillers_never_read(filler):
     gen, q, kv = make_inputs(21, s_q, h_q, d_qk, s_kv)
     filler = s_kv if filler == "s_kv" else filler
     indices = random_indices(gen, s_q, s_kv, topk, n_valid=40, fillers=(filler,))
-    kv = poison_unselected(kv, indices)
+    kv = poison_rows(kv, indices)
     out, _, _, _ = check_against_oracle(q, kv, indices, d_qk ** -0.5)
     assert torch.isfinite(out.float()).all()
 
@@ -157,7 +126,7 @@ def test_topk_length_including_zero():
     topk_length = torch.tensor([0, 1, 63, 64, -255, 130, 500], dtype=torch.int32)
     # Entries past topk_length are still in range: only the length masks them. Poison what only they select.
     kept = torch.where(torch.arange(topk)[None, :] < topk_length[:, None].long(), indices[:, 0, :], -1)
-    kv = poison_unselected(kv, kept[:, None, :])
+    kv = poison_rows(kv, kept[:, None, :])
     sink = torch.randn(h_q, generator=gen)
     out, max_logits, lse, _ = check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=sink,
                                                    topk_length=topk_length)
@@ -181,14 +150,13 @@ def test_nan_sink_leaves_empty_rows_zero_and_nan_rows_are_not_empty():
     sink = torch.randn(h_q, generator=gen)
     sink[5] = float("nan")
     sink[6] = float("inf")
-    out, _, lse = (t.cpu() for t in flash_mla_sparse_fwd(q.to(DEVICE), kv.to(DEVICE), indices.to(DEVICE),
-                                                          d_qk ** -0.5, attn_sink=sink.to(DEVICE),
-                                                          topk_length=topk_length.to(DEVICE)))
+    out, _, lse = (t.cpu() for t in run(q.to(DEVICE), kv.to(DEVICE), indices.to(DEVICE), d_qk ** -0.5,
+                                         attn_sink=sink.to(DEVICE), topk_length=topk_length.to(DEVICE)))
     ref = sparse_mla_prefill_ref(q, kv, indices, d_qk ** -0.5, attn_sink=sink, topk_length=topk_length)
     assert (out[2:].float() == 0).all() and torch.isposinf(lse[2:]).all()
     assert torch.isnan(lse[1]).all() and torch.isnan(out[1].float()).all()
-    assert_close("out", out, ref.out, **OUT_TOL)
-    assert_close("lse", lse, ref.lse, **STAT_TOL)
+    assert_close("out", out, ref.out, testing.out_tolerance(PREFILL_OUT, out))
+    assert_close("lse", lse, ref.lse, PREFILL_STATS)
 
 
 def test_sink_plus_minus_inf_and_finite():
@@ -200,8 +168,7 @@ def test_sink_plus_minus_inf_and_finite():
     sink[1::3] = float("-inf")
     out, max_logits, lse, _ = check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=sink)
     assert (out[:, 0::3].float() == 0).all()
-    no_sink_out, no_sink_ml, no_sink_lse = flash_mla_sparse_fwd(q.to(DEVICE), kv.to(DEVICE), indices.to(DEVICE),
-                                                                d_qk ** -0.5)
+    no_sink_out, no_sink_ml, no_sink_lse = run(q.to(DEVICE), kv.to(DEVICE), indices.to(DEVICE), d_qk ** -0.5)
     assert torch.equal(out[:, 1::3], no_sink_out[:, 1::3].cpu())  # -inf sink: no effect at all
     assert torch.equal(lse, no_sink_lse.cpu()) and torch.equal(max_logits, no_sink_ml.cpu())
 
@@ -211,7 +178,7 @@ def test_empty_rows():
     gen, q, kv = make_inputs(61, s_q, h_q, d_qk, s_kv)
     indices = random_indices(gen, s_q, s_kv, topk, n_valid=30, fillers=(-1, s_kv))
     indices[2:5] = torch.tensor([-1, INT32_MIN, s_kv], dtype=torch.int32)[torch.arange(topk) % 3]
-    kv = poison_unselected(kv, indices)
+    kv = poison_rows(kv, indices)
     sink = torch.randn(h_q, generator=gen)
     sink[::2] = float("inf")
     out, max_logits, lse, _ = check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=sink)
@@ -232,8 +199,8 @@ def test_non_contiguous_inputs():
     s_q, h_q, d_qk, s_kv, topk = 7, 128, 576, 150, 90
     gen = torch.Generator().manual_seed(71)
     # the views are taken on DEVICE (moving a view to another device would make it contiguous)
-    q = (0.1 * torch.randn(s_q + 2, h_q + 3, d_qk + 8, generator=gen)).bfloat16().to(DEVICE)[1:-1, 2:-1, 4:-4]
-    kv = (0.1 * torch.randn(s_kv + 3, 2, d_qk + 16, generator=gen)).bfloat16().to(DEVICE)[2:-1, 1:, 8:-8]
+    q = testing.normal_inputs(gen, s_q + 2, h_q + 3, d_qk + 8).bfloat16().to(DEVICE)[1:-1, 2:-1, 4:-4]
+    kv = testing.normal_inputs(gen, s_kv + 3, 2, d_qk + 16).bfloat16().to(DEVICE)[2:-1, 1:, 8:-8]
     idx_full = random_indices(gen, s_q + 1, s_kv, topk + 5, n_valid=80, fillers=(-1, s_kv)).to(DEVICE)
     indices = idx_full.expand(s_q + 1, 2, topk + 5)[1:, 1:, 3:-2]
     sink = torch.randn(2 * h_q, generator=gen).to(DEVICE)[::2]
@@ -270,25 +237,23 @@ def test_float32_mode_is_exact():
     s_q, h_q, d_qk, s_kv, topk = 7, 64, 576, 200, 100
     gen, q, kv = make_inputs(91, s_q, h_q, d_qk, s_kv, dtype=torch.float32)
     indices = random_indices(gen, s_q, s_kv, topk, n_valid=90, fillers=(-1, INT32_MAX))
-    kv = poison_unselected(kv, indices)
+    kv = poison_rows(kv, indices)
     sink = torch.randn(h_q, generator=gen)
-    tight = dict(abs_tol=1e-5, rel_tol=1e-4, cos_tol=1e-10)
-    check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=sink, out_tol=tight)
+    check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=sink, out_tol=testing.EXACT_FP32)
 
 
 def test_s_q_zero():
     q = torch.empty(0, 64, 512, dtype=torch.bfloat16, device=DEVICE)
-    kv = torch.randn(4, 1, 512, device=DEVICE).bfloat16()
+    kv = torch.zeros(4, 1, 512, dtype=torch.bfloat16, device=DEVICE)
     indices = torch.zeros(0, 1, 8, dtype=torch.int32, device=DEVICE)
-    out, max_logits, lse = flash_mla_sparse_fwd(q, kv, indices, 0.1)
+    out, max_logits, lse = run(q, kv, indices, 0.1)
     assert out.shape == (0, 64, 512) and max_logits.shape == (0, 64) and lse.shape == (0, 64)
 
 
 def _valid_args():
-    q = torch.randn(2, 64, 512, device=DEVICE).bfloat16()
-    kv = torch.randn(8, 1, 512, device=DEVICE).bfloat16()
+    _, q, kv = make_inputs(3, 2, 64, 512, 8, device=DEVICE)
     indices = torch.zeros(2, 1, 4, dtype=torch.int32, device=DEVICE)
-    return dict(q=q, kv=kv, indices=indices, sm_scale=0.1)
+    return dict(q=q, kv=kv, indices=indices, sm_scale=0.1, kernel="portable")
 
 
 @pytest.mark.parametrize("change,error,match", [
@@ -296,8 +261,8 @@ def _valid_args():
     (dict(kv=lambda a: a["kv"].float()), TypeError, "kv: expected dtype"),
     (dict(indices=lambda a: a["indices"].long()), TypeError, "indices: expected dtype"),
     (dict(q=lambda a: a["q"][:, :32]), ValueError, "q: expected h_q"),
-    (dict(q=lambda a: torch.randn(2, 64, 640, device=DEVICE).bfloat16(),
-          kv=lambda a: torch.randn(8, 1, 640, device=DEVICE).bfloat16()), ValueError, "q: expected d_qk"),
+    (dict(q=lambda a: torch.zeros(2, 64, 640, dtype=torch.bfloat16, device=DEVICE),
+          kv=lambda a: torch.zeros(8, 1, 640, dtype=torch.bfloat16, device=DEVICE)), ValueError, "q: expected d_qk"),
     (dict(kv=lambda a: a["kv"].expand(8, 2, 512)), ValueError, "kv: expected 1 kv head"),
     (dict(kv=lambda a: a["kv"][..., :448]), ValueError, "kv: expected last dim"),
     (dict(indices=lambda a: a["indices"][:1]), ValueError, "indices: expected 2 rows"),
@@ -311,12 +276,28 @@ def _valid_args():
      "topk_length: expected dtype"),
     (dict(topk_length=lambda a: torch.zeros(3, dtype=torch.int32, device=DEVICE)), ValueError,
      "topk_length: expected shape"),
+    (dict(kernel=lambda a: "triton_portable"), ValueError, "kernel: expected one of gluon_sm90, portable"),
+    (dict(kernel=lambda a: "gluon_sm90", config=lambda a: flashmla_sparse.default_config(torch.bfloat16)), ValueError,
+     "config: the launch parameters of the portable kernel, given with kernel='gluon_sm90'"),
 ])
 def test_bad_input_raises_naming_the_argument(change, error, match):
     args = _valid_args()
     args.update({name: make(args) for name, make in change.items()})
     with pytest.raises(error, match=match):
         flash_mla_sparse_fwd(**args)
+
+
+def test_the_gluon_kernel_refuses_tensors_it_cannot_run():
+    """kernel='gluon_sm90' is refused by name, with the reason, for tensors that kernel cannot run (here:
+    Triton's interpreter or CPU tensors, float32), instead of failing inside Triton."""
+    args = _valid_args() | dict(kernel="gluon_sm90")
+    with pytest.raises(ValueError, match="^kernel: 'gluon_sm90' cannot run these tensors"):
+        flash_mla_sparse_fwd(**(args | dict(q=args["q"].float(), kv=args["kv"].float())))
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match=r"^kernel: 'gluon_sm90' cannot run these tensors: Triton's interpreter"):
+            flash_mla_sparse_fwd(**args)
+        with pytest.raises(ValueError, match=r"^kernel: 'gluon_sm90' cannot run these tensors"):
+            flash_mla_sparse_fwd(**(args | dict(q=args["q"][:0], indices=args["indices"][:0])))
 
 
 @pytest.mark.gpu
@@ -328,12 +309,12 @@ def test_cpu_tensors_rejected_on_gpu_machine():
 
 def test_peaked_softmax_inputs():
     """Unit-variance q/kv (a peaked softmax, large outputs): P's bf16 rounding before P.V (GPU)
-    shows in the absolute error, so out's abs tolerance is 4e-3 here (FlashMLA's test data is
-    10x smaller). Under the interpreter P stays fp32 and this passes with room."""
+    shows in the absolute error, so out's floor is testing.PREFILL_OUT_UNIT_VARIANCE here (FlashMLA's
+    test data is 10x smaller). Under the interpreter P stays fp32 and this passes with room."""
     s_q, h_q, d_qk, s_kv, topk = 7, 128, 576, 300, 100
     gen, q, kv = make_inputs(95, s_q, h_q, d_qk, s_kv, scale=1.0)
     indices = random_indices(gen, s_q, s_kv, topk, n_valid=90, fillers=(-1,))
-    check_against_oracle(q, kv, indices, d_qk ** -0.5, out_tol=dict(OUT_TOL, abs_tol=4e-3))
+    check_against_oracle(q, kv, indices, d_qk ** -0.5, out_tol=testing.PREFILL_OUT_UNIT_VARIANCE)
 
 
 @pytest.mark.gpu
@@ -366,7 +347,7 @@ def test_several_items_per_cta_with_empty_items(h_q, d_qk):
     negative = torch.tensor([-1, -255, -1000, INT32_MIN], dtype=torch.int32)  # empty too (-255 and below once hung)
     topk_length[3::37] = negative[torch.arange(len(topk_length[3::37])) % 4]
     kept = torch.where(torch.arange(topk)[None, :] < topk_length[:, None].long(), indices[:, 0, :], -1)
-    kv = poison_unselected(kv, kept[:, None, :])
+    kv = poison_rows(kv, kept[:, None, :])
     sink = torch.randn(h_q, generator=gen)
     sink[0::7] = float("inf")
     sink[1::7] = float("-inf")
@@ -379,7 +360,7 @@ def test_model_shapes_on_gpu(h_q, d_qk, topk):
     s_q, s_kv = 64, 4096
     gen, q, kv = make_inputs(111 + h_q, s_q, h_q, d_qk, s_kv)
     indices = random_indices(gen, s_q, s_kv, topk, n_valid=topk - 7, fillers=(-1, s_kv))
-    kv = poison_unselected(kv, indices)
+    kv = poison_rows(kv, indices)
     check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=torch.randn(h_q, generator=gen))
 
 
@@ -515,14 +496,18 @@ def gluon_launches(monkeypatch) -> list:
 
 @pytest.mark.gpu
 def test_bf16_on_sm90_runs_the_gluon_kernel(gluon_launches):
+    """kernel= runs the named kernel; the dispatcher names the Gluon one for bf16 with aligned rows on
+    SM90 and the portable one for float32."""
     if not _on_sm90():
         pytest.skip("needs an SM90 GPU")
-    launches = gluon_launches
     args = _valid_args()
-    flash_mla_sparse_fwd(**args)
-    flash_mla_sparse_fwd(**args, config=flashmla_sparse.default_config(torch.bfloat16))  # the portable kernel
-    flash_mla_sparse_fwd(args["q"].float(), args["kv"].float(), args["indices"], 0.1)  # float32: portable
-    assert launches == [torch.bfloat16]
+    assert kernel_for(args["q"], args["kv"]) == "gluon_sm90"
+    assert kernel_for(args["q"].float(), args["kv"].float()) == "portable"
+    flash_mla_sparse_fwd(**(args | dict(kernel="gluon_sm90")))
+    flash_mla_sparse_fwd(**args)  # the portable kernel
+    flash_mla_sparse_fwd(**(args | dict(config=flashmla_sparse.default_config(torch.bfloat16))))
+    flash_mla_sparse_fwd(args["q"].float(), args["kv"].float(), args["indices"], 0.1, kernel="portable")
+    assert gluon_launches == [torch.bfloat16]
 
 
 def _placed(t: torch.Tensor, width: int, start: int) -> torch.Tensor:
@@ -564,7 +549,7 @@ def test_portable_kernel_on_gpu(case):
     if case == "fillers_sink":
         gen, q, kv = make_inputs(201, 7, 128, 576, 300)
         indices = random_indices(gen, 7, 300, 100, n_valid=90, fillers=(-1, 300, INT32_MAX, INT32_MIN))
-        kv = poison_unselected(kv, indices)
+        kv = poison_rows(kv, indices)
         sink = torch.randn(128, generator=gen) * 3
         sink[0::5] = float("inf")
         check_against_oracle(q, kv, indices, 576 ** -0.5, attn_sink=sink, config=config)
@@ -573,12 +558,12 @@ def test_portable_kernel_on_gpu(case):
         indices = random_indices(gen, 7, 200, 130, n_valid=130)
         topk_length = torch.tensor([0, 1, 63, 64, 65, 130, 500], dtype=torch.int32)
         kept = torch.where(torch.arange(130)[None, :] < topk_length[:, None].long(), indices[:, 0, :], -1)
-        kv = poison_unselected(kv, kept[:, None, :])
+        kv = poison_rows(kv, kept[:, None, :])
         check_against_oracle(q, kv, indices, 512 ** -0.5, topk_length=topk_length, config=config)
     else:
         gen = torch.Generator().manual_seed(203)
-        q = (0.1 * torch.randn(9, 131, 584, generator=gen)).bfloat16().to(DEVICE)[1:-1, 2:-1, 4:-4]
-        kv = (0.1 * torch.randn(153, 2, 592, generator=gen)).bfloat16().to(DEVICE)[2:-1, 1:, 8:-8]
+        q = testing.normal_inputs(gen, 9, 131, 584).bfloat16().to(DEVICE)[1:-1, 2:-1, 4:-4]
+        kv = testing.normal_inputs(gen, 153, 2, 592).bfloat16().to(DEVICE)[2:-1, 1:, 8:-8]
         indices = random_indices(gen, 8, 150, 95, n_valid=80, fillers=(-1, 150)).to(DEVICE).expand(8, 2, 95)[1:, 1:, 3:-2]
         assert not (q.is_contiguous() or kv.is_contiguous() or indices.is_contiguous())
         check_against_oracle(q, kv, indices, 576 ** -0.5, config=config)

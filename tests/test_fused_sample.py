@@ -438,8 +438,10 @@ def _run_python(code: str, **env) -> str:
     return done.stdout
 
 
-# Without CUDA auto resolution is always triton; resolve as a GPU node would (nothing runs a kernel).
-AS_ON_A_GPU_NODE = "import torch\ntorch.cuda.is_available = lambda: True\n"
+# Without CUDA auto resolution is always triton, and on a GPU that is not an SM90 too; resolve as an SM90
+# node would (nothing runs a kernel).
+AS_ON_A_GPU_NODE = ("import torch\ntorch.cuda.is_available = lambda: True\n"
+                    "torch.cuda.get_device_capability = lambda device=None: (9, 0)\n")
 
 
 def test_simulated_missing_tilelang_resolves_to_triton():

@@ -315,32 +315,33 @@ def test_engine_fp8_kv_cache_matches_fp8_emulating_oracle(checkpoint, prompts, b
 
 @pytest.mark.gpu
 def test_engine_paged_fp8_decode_matches_the_gather_path(checkpoint, prompts, backend_env, monkeypatch):
-    """bf16 engine, fp8 stores, TileLang: decode through the paged fp8 kernel (the engine's path)
-    against decode through gather_dequant + the bf16 kernel (paged_fp8_supported() patched to False).
-    Both attend over the same bf16 values in the same order with the same split (the kernels' equality
-    is tested bit for bit in tests/test_attn_sm90.py), so tokens must be equal and logits (nearly) so."""
+    """bf16 engine, fp8 stores, TileLang: decode through the paged fp8 path (the engine's) against decode
+    through the gathered path (gather_dequant + the bf16 kernel; the dispatcher's paged fp8 kernels
+    patched away). Both attend over the same bf16 values in the same order with the same split (the
+    paths' equality is tested bit for bit in tests/test_decode.py), so tokens must be equal and logits
+    (nearly) so."""
     pytest.importorskip("tilelang", reason="the paged fp8 kernel is TileLang's")
-    from engine.h20_ops.attention import entry
-    from engine.model import deepseek_v4
-
     backend_env(DEEPINFER_SPARSE_MLA_BACKEND="tilelang")
     calls = []
-    real = entry.decode_attn_sparse_paged_fp8
+    real = dispatch.run_paged_fp8_kernel
 
-    def counting(*args, **kwargs):
-        calls.append(args[0].shape[:2])
-        return real(*args, **kwargs)
+    def counting(kernel, q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return real(kernel, q, *args, **kwargs)
 
-    monkeypatch.setattr(deepseek_v4, "decode_attn_sparse_paged_fp8", counting)
+    monkeypatch.setattr(dispatch, "run_paged_fp8_kernel", counting)
     names = list(prompts)
     results = {}
     for paged in (True, False):
         if not paged:
-            monkeypatch.setattr(dispatch, "paged_fp8_supported", lambda backend=None: False)
+            monkeypatch.setattr(dispatch, "PAGED_FP8_KERNELS", {})
         calls.clear()
+        dispatch.reset_resolution_for_tests()  # the choices listed are this engine's only
         engine = Engine(checkpoint, device="cuda", dtype=torch.bfloat16, kv_cache_dtype="fp8")
         results[paged] = engine.generate([Request(n, prompts[n][0], prompts[n][1]) for n in names])
-        assert bool(calls) == paged, f"paged fp8 decode calls (paged {paged}): {len(calls)}"
+        assert bool(calls) == paged, f"paged fp8 kernel launches (paged {paged}): {len(calls)}"
+        paths = {c["kernel"].split(":")[0] for c in engine.stats()["sparse_mla_kernels"] if c["op"] == "decode"}
+        assert paths == ({"paged_fp8"} if paged else {"gathered"}), paths
         _all_pages_free(engine)
     for name, paged, gathered in zip(names, results[True], results[False]):
         assert paged.output_ids == gathered.output_ids, f"{name}: paged {paged.output_ids} vs {gathered.output_ids}"

@@ -1,4 +1,8 @@
-"""The oracle against an independent float64 brute-force loop, and its input validation."""
+"""The oracle against an independent float64 brute-force loop, and its input validation.
+
+Inputs: testing.normal_inputs (FlashMLA's distribution); the float32 oracle must equal the float64 loop
+to EXACT_FP32 (testing.assert_close, the one comparator).
+"""
 
 import math
 
@@ -6,8 +10,7 @@ import pytest
 import torch
 
 from engine.h20_ops.attention.reference import sparse_mla_decode_ref, sparse_mla_prefill_ref
-
-INT_MIN, INT_MAX = -(2**31), 2**31 - 1
+from engine.h20_ops.testing import EXACT_FP32, INT32_MAX as INT_MAX, INT32_MIN as INT_MIN, assert_close, normal_inputs
 
 
 def brute_force(q, kv, indices, sm_scale, d_v, sink=None, topk_length=None):
@@ -42,15 +45,14 @@ def brute_force(q, kv, indices, sm_scale, d_v, sink=None, topk_length=None):
 
 def assert_matches(res, expected):
     out, max_logits, lse = expected
-    torch.testing.assert_close(res.out.double(), out, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(res.lse.double(), lse, atol=2e-5, rtol=1e-6)
-    torch.testing.assert_close(res.max_logits.double(), max_logits, atol=2e-5, rtol=1e-6)
-    assert torch.equal(torch.isinf(res.lse), torch.isinf(lse))
+    assert_close("out", res.out, out, EXACT_FP32)
+    assert_close("lse", res.lse, lse, EXACT_FP32)
+    assert_close("max_logits", res.max_logits, max_logits, EXACT_FP32)
 
 
 def make_inputs(s_q, h_q, d_qk, s_kv, topk, gen, dtype=torch.bfloat16):
-    q = torch.randn(s_q, h_q, d_qk, generator=gen).to(dtype)
-    kv = torch.randn(s_kv, 1, d_qk, generator=gen).to(dtype)
+    q = normal_inputs(gen, s_q, h_q, d_qk).to(dtype)
+    kv = normal_inputs(gen, s_kv, 1, d_qk).to(dtype)
     idx = torch.randint(0, s_kv, (s_q, topk), generator=gen, dtype=torch.int32)
     return q, kv, idx
 
@@ -116,8 +118,8 @@ def test_topk_length_zero_and_partial_with_3d_indices():
 
 def test_non_contiguous_inputs():
     gen = torch.Generator().manual_seed(4)
-    q_pad = torch.randn(6, 3, 80, 600, generator=gen).bfloat16()
-    kv_pad = torch.randn(50, 2, 700, generator=gen).bfloat16()
+    q_pad = normal_inputs(gen, 6, 3, 80, 600).bfloat16()
+    kv_pad = normal_inputs(gen, 50, 2, 700).bfloat16()
     idx_pad = torch.randint(-3, 50, (6, 2, 40), generator=gen, dtype=torch.int32)
     q, kv, idx = q_pad[:, 1, :64, :512], kv_pad[:, 1:2, 100:612], idx_pad[:, 0, ::2]
     assert not (q.is_contiguous() or kv.is_contiguous() or idx.is_contiguous())
@@ -126,29 +128,57 @@ def test_non_contiguous_inputs():
 
 
 def test_decode_union_of_two_caches_is_one_softmax():
+    """Decode over flat caches: slot ids of a main cache and of an extra cache, attended in one softmax
+    (the sink once), equal to one prefill problem over the two caches' rows concatenated."""
     gen = torch.Generator().manual_seed(5)
-    b, s_q, h, d, w, e = 3, 2, 64, 512, 16, 12
-    q = torch.randn(b, s_q, h, d, generator=gen).bfloat16()
-    kv = torch.randn(b, w, 1, d, generator=gen).bfloat16()
-    extra = torch.randn(b, e, 1, d, generator=gen).bfloat16()
-    idx = torch.randint(-2, w + 2, (b, s_q, 10), generator=gen, dtype=torch.int32)
-    eidx = torch.randint(-2, e + 2, (b, s_q, 6), generator=gen, dtype=torch.int32)
+    b, s_q, h, d, n0, n1 = 3, 2, 64, 512, 40, 30
+    q = normal_inputs(gen, b, s_q, h, d).bfloat16()
+    kv = normal_inputs(gen, n0, 1, d).bfloat16()
+    extra = normal_inputs(gen, n1, 1, d).bfloat16()
+    idx = torch.randint(-2, n0 + 2, (b, s_q, 10), generator=gen, dtype=torch.int32)
+    eidx = torch.randint(-2, n1 + 2, (b, s_q, 6), generator=gen, dtype=torch.int32)
     eidx[1] = -1  # request 1: extra cache all invalid -> contributes nothing
     lengths = torch.tensor([10, 4, 0], dtype=torch.int32)
     elengths = torch.tensor([6, 6, 3], dtype=torch.int32)
     sink = torch.randn(h, generator=gen)
     res = sparse_mla_decode_ref(q, kv, idx, 0.05, attn_sink=sink, topk_length=lengths,
                                 extra_kv=extra, extra_indices=eidx, extra_topk_length=elengths)
+    assert res.out.shape == (b, s_q, h, 512) and res.lse.shape == (b, s_q, h)
+    cat_kv = torch.cat([kv, extra])
     for r in range(b):
-        # The union as one prefill problem over a concatenated cache.
-        cat_kv = torch.cat([kv[r], extra[r]])
-        main = torch.where((idx[r] >= 0) & (idx[r] < w) & (torch.arange(10) < lengths[r]), idx[r], -1)
-        ext = torch.where((eidx[r] >= 0) & (eidx[r] < e) & (torch.arange(6) < elengths[r]), eidx[r] + w, -1)
+        main = torch.where((idx[r] >= 0) & (idx[r] < n0) & (torch.arange(10) < lengths[r]), idx[r], -1)
+        ext = torch.where((eidx[r] >= 0) & (eidx[r] < n1) & (torch.arange(6) < elengths[r]), eidx[r] + n0, -1)
         expected = brute_force(q[r], cat_kv, torch.cat([main, ext], dim=1), 0.05, 512, sink=sink)
-        torch.testing.assert_close(res.out[r].double(), expected[0], atol=2e-5, rtol=1e-5)
-        torch.testing.assert_close(res.lse[r].double(), expected[2], atol=2e-5, rtol=1e-6)
-    only_main = sparse_mla_decode_ref(q[1:2], kv[1:2], idx[1:2], 0.05, attn_sink=sink, topk_length=lengths[1:2])
-    torch.testing.assert_close(res.out[1], only_main.out[0])
+        assert_close("out", res.out[r], expected[0], EXACT_FP32)
+        assert_close("lse", res.lse[r], expected[2], EXACT_FP32)
+    only_main = sparse_mla_decode_ref(q[1:2], kv, idx[1:2], 0.05, attn_sink=sink, topk_length=lengths[1:2])
+    assert_close("out", res.out[1], only_main.out[0], EXACT_FP32)
+
+
+@pytest.mark.parametrize("case,exc,match", [
+    (dict(q=torch.zeros(2, 64, 512)), ValueError, "^q: expected 4 dims"),
+    (dict(q=torch.zeros(0, 1, 64, 512)), ValueError, "^q: expected at least one request"),
+    (dict(kv=torch.zeros(10, 512)), ValueError, "^kv: expected 3 dims"),
+    (dict(kv=torch.zeros(10, 1, 256)), ValueError, r"^kv: expected shape \[n_slots, 1, 512\]"),
+    (dict(kv=torch.zeros(10, 1, 512, dtype=torch.float64)), TypeError, "^kv: expected dtype"),
+    (dict(indices=torch.zeros(2, 1, 4, dtype=torch.int64)), TypeError, "^indices: expected dtype"),
+    (dict(indices=torch.zeros(3, 1, 4, dtype=torch.int32)), ValueError, r"^indices: expected shape \[2, 1, topk>=1\]"),
+    (dict(topk_length=torch.zeros(3, dtype=torch.int32)), ValueError, "^topk_length: expected shape"),
+    (dict(extra_kv=torch.zeros(5, 1, 512)), ValueError, "^extra_kv and extra_indices: pass both or neither"),
+    (dict(extra_indices=torch.zeros(2, 1, 3, dtype=torch.int32)), ValueError, "^extra_kv and extra_indices"),
+    (dict(extra_topk_length=torch.zeros(2, dtype=torch.int32)), ValueError, "^extra_topk_length: given without"),
+    (dict(extra_kv=torch.zeros(5, 1, 256), extra_indices=torch.zeros(2, 1, 3, dtype=torch.int32)), ValueError,
+     r"^extra_kv: expected shape \[n_slots, 1, 512\]"),
+    (dict(extra_kv=torch.zeros(5, 1, 512), extra_indices=torch.zeros(2, 1, 0, dtype=torch.int32)), ValueError,
+     "^extra_indices: expected shape"),
+    (dict(attn_sink=torch.zeros(32)), ValueError, r"^attn_sink: expected shape \[64\]"),
+])
+def test_decode_bad_input_names_the_argument(case, exc, match):
+    args = dict(q=torch.zeros(2, 1, 64, 512), kv=torch.zeros(10, 1, 512), indices=torch.zeros(2, 1, 4, dtype=torch.int32),
+                sm_scale=0.1)
+    args.update(case)
+    with pytest.raises(exc, match=match):
+        sparse_mla_decode_ref(**args)
 
 
 @pytest.mark.parametrize("case,exc,name", [
@@ -185,8 +215,8 @@ def test_nan_in_a_valid_row_stays_nan_and_empty_rows_stay_zero():
     """Only an empty row (nothing valid) is defined as out 0: a NaN that reaches a valid row's scores
     must come out as NaN, as from every kernel, not be masked into a finite answer."""
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(3, 64, 512, generator=g)
-    kv = torch.randn(10, 1, 512, generator=g)
+    q = normal_inputs(g, 3, 64, 512)
+    kv = normal_inputs(g, 10, 1, 512)
     idx = torch.randint(0, 10, (3, 4), generator=g, dtype=torch.int32)
     idx[2] = -1  # empty
     q[0, 5, 7] = float("nan")

@@ -4,13 +4,21 @@ Comparator (FlashMLA's rule): an element passes if |got - ref| < abs OR |got - r
 rel; +inf, -inf and NaN positions must match exactly; the cosine distance 1 - 2 sum(g r) / sum(g^2 + r^2)
 over the finite elements (float64) must not exceed `cos`. Tolerances below are FlashMLA's, made for its
 input distribution 0.1 * N(0, 1) (+ an offset), which `normal_inputs` draws; every backend is held to
-them (docs/contract.md "Tolerances" says where a path needs a stated, wider floor and why).
+them (docs/contract.md "Tolerances" says where a path needs a stated, wider floor and why; each such
+floor is a named Tolerance here). `assert_matches_oracle` applies the right ones to an AttentionOutput.
 
-Case generator: decode cases over the caches the decode entry point takes (dense rows or paged fp8
-MODEL1 / V3.2 with their own page sizes, blocks laid out with a stride larger than the block and in a
-random order), with the traps FlashMLA's tests set: invalid fillers (-1, INT_MIN, the slot count,
-INT_MAX), NaN in every cache slot no valid entry selects (NaN e4m3 codes and NaN bf16 RoPE in fp8 caches),
-lengths down to 0 (all-invalid rows), sinks of +-inf, a non-contiguous q.
+Case generators, with the traps FlashMLA's tests set (and a few more), all drawn by normal_inputs:
+  prefill_case: q, kv rows and absolute indices as FlashMLA's prefill tests build them (prefill, the
+    vendor kernels and engine.h20_ops.flash_mla): fillers of every kind (PREFILL_FILLERS and s_kv) at
+    random positions, NaN / +-inf in every kv row no valid entry selects (rows selected only past a
+    row's length included), lengths 0, negative and past topk, all-invalid rows, duplicates, sinks of
+    +-inf, strided q / kv / indices views;
+  decode_case: the caches the decode entry point takes (dense rows, or paged fp8 MODEL1 / V3.2 with
+    their own page sizes and block strides padded beyond the block), flat slot ids with fillers of
+    every kind, NaN in every cache slot no valid entry selects (poison_unselected: NaN e4m3 codes and
+    NaN bf16 RoPE in fp8 caches), lengths down to 0 (all-invalid rows), sinks of +-inf, a strided q;
+  flashmla_decode_case: a decode case as FlashMLA's sparse decode tests build it (per-request pages of
+    paged fp8 caches), for engine.h20_ops.flash_mla and the FlashMLA side-by-side benchmark.
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from . import kv_cache
-from .attention.reference import sparse_mla_decode_ref
+from .attention.decode import DecodePlan, plan_sparse_decode, sparse_mla_decode
+from .attention.output import AttentionOutput
+from .attention.reference import RefResult, sparse_mla_decode_ref, sparse_mla_prefill_ref
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 LOG2E = 1.4426950408889634
@@ -38,6 +48,12 @@ PREFILL_STATS = Tolerance(1e-6, 2.01 / 65536)  # lse and max_logits
 DECODE_OUT = Tolerance(1e-3, 2.01 / 128, 5e-6)
 DECODE_LSE = Tolerance(1e-6, 8.01 / 65536)
 EXACT_FP32 = Tolerance(2e-5, 0.0, 1e-10)  # float32 kernels against the float32 oracle
+# float32 arithmetic on values of any magnitude against a float64 computation of the same formula (the
+# split merge's lse reaches |2e4|, where one fp32 ulp is 2^-9): EXACT_FP32, or a few fp32 ulps relative.
+FP32_RELATIVE = Tolerance(EXACT_FP32.abs, 2.0**-20, EXACT_FP32.cos)
+# Unit-variance q / kv (normal_inputs(scale=1.0)): a peaked softmax and outputs ~10x FlashMLA's, where P's
+# bf16 rounding before P.V (on a GPU) shows in the absolute error; the relative and cosine bounds stay.
+PREFILL_OUT_UNIT_VARIANCE = Tolerance(4e-3, PREFILL_OUT.rel, PREFILL_OUT.cos)
 # Triton's interpreter truncates fp32 -> bf16 casts instead of rounding them: twice the rounding error of
 # a GPU, which the cosine bound of bf16 outputs must allow for (per element abs / rel bounds still hold).
 INTERPRETER_BF16_COS = 1.5e-5
@@ -53,8 +69,11 @@ def out_tolerance(tol: Tolerance, out: torch.Tensor, *, split: bool = False) -> 
     return Tolerance(tol.abs, tol.rel, 2 * cos if split else cos)
 
 
-def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> None:
-    """The comparator (module header); raises AssertionError naming `name` and the worst element."""
+def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, tol: Tolerance, *,
+                 floor: torch.Tensor | None = None) -> None:
+    """The comparator (module header); raises AssertionError naming `name` and the worst element.
+    floor: a stated per-element rounding bound (shaped like ref, e.g. split_rounding_floor) added to
+    tol.abs; the cosine bound becomes at least sum(floor^2) / sum(g^2 + r^2)."""
     got, ref = got.double(), ref.double().to(got.device)
     assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
     for kind, fn in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
@@ -63,19 +82,39 @@ def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, tol: Tolerance
     finite = torch.isfinite(ref)
     g, r = got[finite], ref[finite]
     err = (g - r).abs()
-    bad = (err >= tol.abs) & (err / (r.abs() + 1e-6) >= tol.rel)
-    assert not bad.any(), (f"{name}: {int(bad.sum())} of {g.numel()} elements out of tolerance (abs {tol.abs} or "
-                           f"rel {tol.rel:.3g}); worst abs err {err.max().item():.3g}")
+    extra = 0.0 if floor is None else floor.double().to(got.device).expand_as(ref)[finite]
+    bad = (err >= tol.abs + extra) & (err / (r.abs() + 1e-6) >= tol.rel)
+    assert not bad.any(), (f"{name}: {int(bad.sum())} of {g.numel()} elements out of tolerance (abs {tol.abs}"
+                           f"{'' if floor is None else ' + the stated floor'} or rel {tol.rel:.3g}); worst abs err "
+                           f"{err.max().item():.3g}")
     if tol.cos is not None and g.numel():
         denom = (g * g + r * r).sum()
         cos_dist = (1 - 2 * (g * r).sum() / denom).item() if denom > 0 else 0.0
-        assert cos_dist <= tol.cos, f"{name}: cosine distance {cos_dist:.3g} > {tol.cos}"
+        cos_tol = tol.cos if floor is None or denom == 0 else max(tol.cos, ((extra ** 2).sum() / denom).item())
+        assert cos_dist <= cos_tol, f"{name}: cosine distance {cos_dist:.3g} > {cos_tol:.3g}"
+
+
+def assert_matches_oracle(got: AttentionOutput, ref: RefResult, *, decode: bool, split: bool = False,
+                          floor: torch.Tensor | None = None, name: str = "") -> None:
+    """An entry point's AttentionOutput (out, lse base 2) against the oracle's RefResult (natural lse):
+    float32 outputs to EXACT_FP32, others to FlashMLA's decode or prefill tolerances (out_tolerance:
+    the interpreter's and a split's stated floors); floor: out's per-element rounding bound
+    (split_rounding_floor for a split decode)."""
+    prefix = f"{name} " if name else ""
+    if got.out.dtype == torch.float32:
+        out_tol = lse_tol = EXACT_FP32
+    else:
+        out_tol = out_tolerance(DECODE_OUT if decode else PREFILL_OUT, got.out, split=split)
+        lse_tol = DECODE_LSE if decode else PREFILL_STATS
+    assert_close(f"{prefix}out", got.out, ref.out, out_tol, floor=floor)
+    assert_close(f"{prefix}lse_log2", got.lse_log2, ref.lse * LOG2E, lse_tol)
 
 
 def normal_inputs(gen: torch.Generator, *shape: int, scale: float = 0.1, device="cpu") -> torch.Tensor:
-    """scale * N(0, 1) + one random offset in +-scale/2: FlashMLA's test distribution (float32)."""
-    offset = (torch.rand((), generator=gen) - 0.5) * scale
-    return (torch.randn(*shape, generator=gen) * scale + offset).to(device)
+    """scale * N(0, 1) + one random offset in +-scale/2: FlashMLA's test distribution (float32), drawn on
+    the generator's device and moved to `device`."""
+    offset = (torch.rand((), generator=gen, device=gen.device) - 0.5) * scale
+    return (torch.randn(*shape, generator=gen, device=gen.device) * scale + offset).to(device)
 
 
 def random_indices(gen: torch.Generator, rows: int, n_slots: int, topk: int, n_valid: int,
@@ -104,6 +143,106 @@ def sinks(gen: torch.Generator, h_q: int) -> torch.Tensor:
     s[pick == 1] = float("-inf")
     return s
 
+
+# ---------------------------------------------------------------------------------------------
+# prefill cases
+# ---------------------------------------------------------------------------------------------
+
+# FlashMLA's prefill fillers: every one is invalid (out of [0, s_kv) or negative); s_kv is added per case
+PREFILL_FILLERS = (INT32_MIN, -123456, -1, 114514, 1919810, 2147480000, INT32_MAX)
+PREFILL_SM_SCALE = 0.5  # FlashMLA's prefill tests
+
+
+def _strided_view(t: torch.Tensor, pad: int = 64) -> torch.Tensor:
+    """t as a view of a wider buffer on t's device (last dim padded by `pad`): equal values, rows strided.
+    With pad a multiple of 16 elements the row strides stay 16-byte aligned (the Gluon kernel takes them)."""
+    wide = torch.zeros((*t.shape[:-1], t.size(-1) + pad), dtype=t.dtype, device=t.device)
+    wide[..., :t.size(-1)] = t
+    return wide[..., :t.size(-1)]
+
+
+@dataclass
+class PrefillCase:
+    q: torch.Tensor  # [s_q, h_q, d_qk] (non-contiguous when asked)
+    kv: torch.Tensor  # [s_kv, 1, d_qk]; NaN / +-inf in every row no valid entry selects, when poisoned
+    indices: torch.Tensor  # [s_q, 1, topk] int32 absolute rows of kv
+    topk_length: torch.Tensor | None  # [s_q] int32
+    attn_sink: torch.Tensor | None  # [h_q] fp32
+    sm_scale: float
+
+    def kwargs(self) -> dict:
+        """attn_sink and topk_length: keyword arguments of sparse_mla_prefill (and the kernels)."""
+        return dict(attn_sink=self.attn_sink, topk_length=self.topk_length)
+
+    def oracle(self) -> RefResult:
+        """RefResult(out [s_q, h_q, 512], max_logits, lse natural) of the float32 oracle on the same inputs."""
+        return sparse_mla_prefill_ref(self.q.float(), self.kv.float(), self.indices, self.sm_scale, **self.kwargs())
+
+
+def poison_rows(kv: torch.Tensor, indices: torch.Tensor, topk_length: torch.Tensor | None = None) -> torch.Tensor:
+    """A copy of kv [s_kv, 1, d] with NaN (every third +inf, every third -inf) in each row that no valid
+    entry of indices [s_q, (1,) topk] (position < topk_length[i] where given) selects."""
+    s_kv = kv.size(0)
+    idx = indices.reshape(indices.size(0), -1).to(kv.device).long()
+    valid = (idx >= 0) & (idx < s_kv)
+    if topk_length is not None:
+        valid &= torch.arange(idx.size(1), device=kv.device)[None, :] < topk_length.to(kv.device).long()[:, None]
+    selected = torch.zeros(s_kv, dtype=torch.bool, device=kv.device)
+    selected[idx[valid]] = True
+    unselected = (~selected).nonzero().flatten()
+    kv = kv.clone()
+    kv[unselected] = float("nan")
+    kv[unselected[::3]] = float("inf")
+    kv[unselected[1::3]] = float("-inf")
+    return kv
+
+
+def prefill_case(seed: int, *, s_q: int, s_kv: int, h_q: int, topk: int, d_qk: int = 512, n_valid: int | None = None,
+                 distinct: bool = True, topk_length: bool = False, sink: bool = False, all_invalid: bool = False,
+                 poison: bool = True, strided: bool = True, dtype=torch.bfloat16, device="cpu") -> PrefillCase:
+    """A prefill case as FlashMLA's prefill tests build it: per row n_valid (default min(topk, s_kv))
+    random rows of kv (distinct: without repetition, else duplicates count per occurrence) at random
+    positions of the list, the other positions fillers from PREFILL_FILLERS and s_kv (topk > s_kv: "OOB
+    top-k"); sinks with +-inf; q, kv and indices views of wider buffers (strided); sm_scale
+    PREFILL_SM_SCALE. Beyond FlashMLA's: topk_length random in [0, topk] with row 0 at 0, row 1 negative
+    (from 3 rows on) and the last row past topk (from 4 rows on); every kv row no valid entry selects
+    poisoned (poison_rows); with all_invalid every third row all fillers (row 0 included). Drawn on
+    `device` (large GPU cases)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = normal_inputs(gen, s_q, h_q, d_qk, device=device).to(dtype)
+    kv = normal_inputs(gen, s_kv, 1, d_qk, device=device).to(dtype)
+    n_valid = min(topk, s_kv if n_valid is None else n_valid)
+    if distinct:
+        n_valid = min(n_valid, s_kv)
+        picks = torch.rand((s_q, s_kv), generator=gen, device=device).topk(n_valid, dim=1).indices
+    else:
+        picks = torch.randint(s_kv, (s_q, n_valid), generator=gen, device=device)
+    fillers = torch.tensor((*PREFILL_FILLERS, s_kv), dtype=torch.int32, device=device)
+    idx = fillers[torch.randint(len(fillers), (s_q, topk), generator=gen, device=device)]
+    order = torch.rand((s_q, topk), generator=gen, device=device).argsort(dim=1)[:, :n_valid]
+    idx.scatter_(1, order, picks.to(torch.int32))
+    if all_invalid:
+        idx[::3] = fillers[torch.randint(len(fillers), (1,), generator=gen, device=device)]
+    lengths = None
+    if topk_length:
+        lengths = torch.randint(0, topk + 1, (s_q,), generator=gen, device=device, dtype=torch.int32)
+        lengths[0] = 0
+        if s_q > 2:
+            lengths[1] = -255  # negative: empty too (such lengths once hung a kernel)
+        if s_q > 3:
+            lengths[-1] = topk + 5
+    if poison:
+        kv = poison_rows(kv, idx, lengths)
+    attn_sink = sinks(torch.Generator().manual_seed(seed), h_q).to(device) if sink else None
+    indices = idx.view(s_q, 1, topk)
+    if strided:
+        q, kv, indices = _strided_view(q), _strided_view(kv), _strided_view(indices, pad=16)
+    return PrefillCase(q, kv, indices, lengths, attn_sink, PREFILL_SM_SCALE)
+
+
+# ---------------------------------------------------------------------------------------------
+# decode cases
+# ---------------------------------------------------------------------------------------------
 
 @dataclass
 class DecodeCache:
@@ -142,34 +281,40 @@ def decode_cache(gen: torch.Generator, n_slots_min: int, d: int, *, layout=None,
 
 
 def poison_unselected(cache: DecodeCache, indices: torch.Tensor, lengths: torch.Tensor | None) -> None:
-    """NaN in every slot of `cache` that no valid entry of indices [B, s_q, topk] (with lengths [B]) selects:
-    NaN bf16 rows in a dense cache; e4m3 NaN codes (0x7f) and NaN bf16 RoPE words in a paged fp8 cache."""
+    """NaN in every slot of `cache` that no valid entry of indices [B, s_q, topk] (with lengths [B]) selects,
+    on the cache's device: NaN rows in a dense cache; in a paged fp8 cache e4m3 NaN codes (0x7f), NaN bf16
+    RoPE words and NaN / inf scales (and a garbage pad byte after every MODEL1 token's scales, which no
+    reader may take for a scale); NaN rows in `rows` (where kept)."""
     b, s_q, topk = indices.shape
-    idx = indices.cpu().long()
+    c = cache.cache
+    idx = indices.to(c.device).long()
     valid = (idx >= 0) & (idx < cache.n_slots)
     if lengths is not None:
-        valid &= torch.arange(topk)[None, None, :] < lengths.cpu().long()[:, None, None]
-    selected = torch.zeros(cache.n_slots, dtype=torch.bool)
+        valid &= torch.arange(topk, device=c.device)[None, None, :] < lengths.to(c.device).long()[:, None, None]
+    selected = torch.zeros(cache.n_slots, dtype=torch.bool, device=c.device)
     selected[idx[valid]] = True
-    unselected = (~selected).nonzero().flatten()
-    cache.rows[unselected] = float("nan")
-    c = cache.cache
+    if cache.rows is not None:
+        cache.rows[~selected.to(cache.rows.device)] = float("nan")
     if c.dtype not in (torch.uint8, torch.float8_e4m3fn):
-        c[unselected.to(c.device)] = float("nan")
+        c[~selected] = float("nan")
         return
     layout = kv_cache.layout_of(c)
-    block_size = c.size(1)
-    raw = torch.as_strided(c.view(torch.uint8), (c.size(0), block_size * layout.bytes_per_token), (c.stride(0), 1))
-    for slot in unselected.tolist():
-        block, t = divmod(slot, block_size)
-        if layout is kv_cache.MODEL1:  # [448 e4m3 | 64 bf16 RoPE] at t * 576
-            start = t * 576
-            raw[block, start: start + layout.d_nope] = 0x7F
-            raw[block, start + layout.d_nope: start + 576] = 0xFF  # bf16 0xFFFF: NaN
-        else:  # V3.2: [512 e4m3 | 4 fp32 scales | 64 bf16 RoPE] at t * 656
-            start = t * layout.bytes_per_token
-            raw[block, start: start + layout.d_nope] = 0x7F
-            raw[block, start + layout.d_nope + 16: start + layout.bytes_per_token] = 0xFF
+    num_blocks, block_size = c.shape[:2]
+    raw = torch.as_strided(c.view(torch.uint8), (num_blocks, block_size * layout.bytes_per_token), (c.stride(0), 1))
+    unselected = ~selected.view(num_blocks, block_size)
+    if layout is kv_cache.MODEL1:  # per token [448 e4m3 | 64 bf16 RoPE] at t * 576, then 8 B per token at
+        tokens = raw[:, :block_size * 576].view(num_blocks, block_size, 576)  # bs * 576 + t * 8: 7 ue8m0
+        nope, rope = tokens[:, :, :layout.d_nope], tokens[:, :, layout.d_nope:]  # scales, 1 pad byte
+        scales = raw[:, block_size * 576:block_size * 584].view(num_blocks, block_size, 8)
+        scales[unselected] = 0xFF  # ue8m0 0xFF: NaN (the pad byte too)
+        scales[:, :, 7] = 0xFF  # the pad byte of every token, selected ones included: never a scale
+    else:  # per token [512 e4m3 | 4 fp32 scales | 64 bf16 RoPE] at t * 656
+        tokens = raw.view(num_blocks, block_size, layout.bytes_per_token)
+        nope, rope = tokens[:, :, :layout.d_nope], tokens[:, :, layout.d_nope + 4 * layout.num_tiles:]
+        bad_scales = torch.tensor([float("nan"), float("inf"), 1.0, float("nan")], device=c.device)
+        tokens[:, :, layout.d_nope:layout.d_nope + 4 * layout.num_tiles][unselected] = bad_scales.view(torch.uint8)
+    nope[unselected] = 0x7F  # e4m3 NaN
+    rope[unselected] = 0xFF  # bf16 0xFFFF: NaN
 
 
 @dataclass
@@ -190,7 +335,19 @@ class DecodeCase:
                     extra_cache=None if self.extra is None else self.extra.cache, extra_indices=self.extra_indices,
                     extra_topk_length=self.extra_topk_length)
 
-    def oracle(self):
+    def plan(self, num_splits: int | None = None, backend: str | None = None) -> DecodePlan:
+        """plan_sparse_decode for this case's shapes and caches."""
+        b, s_q, h_q, _ = self.q.shape
+        return plan_sparse_decode(self.main.cache, batch=b, s_q=s_q, h_q=h_q, topk=self.indices.size(2),
+                                  q_dtype=self.q.dtype, extra_cache=None if self.extra is None else self.extra.cache,
+                                  extra_topk=0 if self.extra is None else self.extra_indices.size(2),
+                                  num_splits=num_splits, backend=backend)
+
+    def run(self, plan: DecodePlan | None = None) -> AttentionOutput:
+        """sparse_mla_decode on this case."""
+        return sparse_mla_decode(self.q, self.main.cache, self.indices, self.sm_scale, plan=plan, **self.kwargs())
+
+    def oracle(self) -> RefResult:
         """The float32 reference on the same rows: RefResult(out [B, s_q, h_q, 512], max_logits, lse natural)."""
         to = self.q.device
         return sparse_mla_decode_ref(
@@ -248,81 +405,46 @@ def decode_case(seed: int, *, batch: int, s_q: int, h_q: int, topk: int, extra_t
                       to(sinks(gen, h_q)) if sink else None, d ** -0.5)
 
 
-# ---------------------------------------------------------------------------------------------
-# FlashMLA's published test cases (tests/test_flash_mla_sparse_*.py semantics), for engine.h20_ops.flash_mla
-# ---------------------------------------------------------------------------------------------
+def split_rounding_floor(case: DecodeCase, plan: DecodePlan) -> torch.Tensor:
+    """The per-element bound a split decode adds to its output's error (docs/contract.md "Tolerances"): its
+    partial outputs come back in q's dtype, one more rounding each, so |err| <= eps * (sum_c w_c |o_c| + |o|)
+    beyond the unsplit result (eps: the dtype's ulp at 1, which also covers the interpreter's truncating
+    casts), with partials o_c, weights w_c = softmax_c(lse_c) and o = sum_c w_c o_c from the oracle on the
+    plan's very chunks (each query's main then extra entries, cut every plan.chunk). [B, s_q, h_q, 512]."""
+    b, s_q, h_q, d = case.q.shape
+    n = b * s_q
+    device = case.q.device
 
-# FlashMLA's prefill fillers: every one is invalid (out of [0, s_kv) or negative)
-PREFILL_FILLERS = (INT32_MIN, -123456, -1, 114514, 1919810, 2147480000, INT32_MAX)
-PREFILL_SM_SCALE = 0.5  # FlashMLA's prefill tests
-DECODE_SM_SCALE_POWER = -0.55  # FlashMLA's decode tests: sm_scale = d_qk ** -0.55
-
-
-def _device_normal(gen: torch.Generator, shape, device, scale: float = 0.1) -> torch.Tensor:
-    """normal_inputs drawn on `device` with a generator of that device (large GPU cases)."""
-    offset = (torch.rand((), generator=gen, device=device) - 0.5) * scale
-    return torch.randn(shape, generator=gen, device=device) * scale + offset
-
-
-def _strided_view(t: torch.Tensor, pad: int = 64) -> torch.Tensor:
-    """t as a view of a wider buffer (last dim padded): equal values, non-contiguous rows."""
-    wide = torch.zeros((*t.shape[:-1], t.size(-1) + pad), dtype=t.dtype, device=t.device)
-    wide[..., :t.size(-1)] = t
-    return wide[..., :t.size(-1)]
-
-
-@dataclass
-class PrefillCase:
-    q: torch.Tensor  # [s_q, h_q, d_qk] (non-contiguous when asked)
-    kv: torch.Tensor  # [s_kv, 1, d_qk]; NaN in every row no valid entry selects, when poisoned
-    indices: torch.Tensor  # [s_q, 1, topk] int32
-    topk_length: torch.Tensor | None  # [s_q] int32
-    attn_sink: torch.Tensor | None  # [h_q] fp32
-    sm_scale: float
-
-    def oracle(self):
-        """RefResult(out [s_q, h_q, 512], max_logits, lse natural) of the float32 oracle on the same inputs."""
-        from .attention.reference import sparse_mla_prefill_ref
-
-        return sparse_mla_prefill_ref(self.q.float(), self.kv.float(), self.indices, self.sm_scale,
-                                      attn_sink=self.attn_sink, topk_length=self.topk_length)
-
-
-def prefill_case(seed: int, *, s_q: int, s_kv: int, h_q: int, topk: int, d_qk: int = 512, topk_length: bool = False,
-                 sink: bool = False, all_invalid: bool = False, poison: bool = True, strided: bool = True,
-                 dtype=torch.bfloat16, device="cpu") -> PrefillCase:
-    """A prefill case as FlashMLA's prefill tests build it: per row min(topk, s_kv) distinct random rows
-    of kv in random order, the other positions fillers from PREFILL_FILLERS and s_kv (topk > s_kv: "OOB
-    top-k"); topk_length random in [0, topk]; sinks with +-inf; q, kv and indices views of wider buffers.
-    Beyond FlashMLA's: fillers at random positions (not only trailing), every row of kv that no valid
-    entry selects poisoned with NaN (poison), and with all_invalid every third row all fillers (row 0
-    always)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    q = _device_normal(gen, (s_q, h_q, d_qk), device).to(dtype)
-    kv = _device_normal(gen, (s_kv, 1, d_qk), device).to(dtype)
-    n_valid = min(topk, s_kv)
-    picks = torch.rand((s_q, s_kv), generator=gen, device=device).topk(n_valid, dim=1).indices.to(torch.int32)
-    fillers = torch.tensor((*PREFILL_FILLERS, s_kv), dtype=torch.int32, device=device)
-    idx = fillers[torch.randint(len(fillers), (s_q, topk), generator=gen, device=device)]
-    order = torch.rand((s_q, topk), generator=gen, device=device).argsort(dim=1)[:, :n_valid]
-    idx.scatter_(1, order, picks)
-    if all_invalid:
-        idx[::3] = fillers[torch.randint(len(fillers), (1,), generator=gen, device=device)]
-    lengths = None
-    if topk_length:
-        lengths = torch.randint(0, topk + 1, (s_q,), generator=gen, device=device, dtype=torch.int32)
-    if poison:
-        valid = (idx >= 0) & (idx < s_kv)
+    def masked(cache, indices, lengths, offset):
+        idx = indices.reshape(n, -1).to(device).long()
+        valid = (idx >= 0) & (idx < cache.n_slots)
         if lengths is not None:
-            valid &= torch.arange(topk, device=device)[None, :] < lengths[:, None]
-        used = torch.zeros(s_kv, dtype=torch.bool, device=device)
-        used[idx[valid].long()] = True
-        kv[~used] = float("nan")
-    attn_sink = sinks(torch.Generator().manual_seed(seed), h_q).to(device) if sink else None
-    indices = idx.view(s_q, 1, topk)
-    if strided:
-        q, kv, indices = _strided_view(q), _strided_view(kv), _strided_view(indices, pad=16)
-    return PrefillCase(q, kv, indices, lengths, attn_sink, PREFILL_SM_SCALE)
+            valid &= torch.arange(idx.size(1), device=device)[None, :] < lengths.to(device).repeat_interleave(s_q)[:, None]
+        return torch.where(valid, idx + offset, -1)
+
+    lists = [masked(case.main, case.indices, case.topk_length, 0)]
+    rows = [case.main.rows.to(device)]
+    if case.extra is not None:
+        lists.append(masked(case.extra, case.extra_indices, case.extra_topk_length, case.main.n_slots))
+        rows.append(case.extra.rows.to(device))
+    entries = torch.cat(lists, dim=1)
+    entries = torch.cat([entries, entries.new_full((n, plan.list_len - entries.size(1)), -1)], dim=1)
+    chunks = entries.view(n * plan.splits, plan.chunk).to(torch.int32)
+    q_rows = case.q.reshape(n, h_q, d).float().repeat_interleave(plan.splits, dim=0)
+    part = sparse_mla_prefill_ref(q_rows, torch.cat(rows), chunks, case.sm_scale)
+    lse = part.lse.view(n, plan.splits, h_q).double()
+    weights = torch.softmax(lse.masked_fill(lse == float("inf"), float("-inf")), dim=1).nan_to_num(0.0)
+    parts = part.out.double().view(n, plan.splits, h_q, -1)
+    mixed = (weights[..., None] * parts.abs()).sum(1) + (weights[..., None] * parts).sum(1).abs()
+    return (torch.finfo(case.q.dtype).eps * mixed).view(b, s_q, h_q, -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashMLA's published decode test cases (tests/test_flash_mla_sparse_*.py semantics), for
+# engine.h20_ops.flash_mla
+# ---------------------------------------------------------------------------------------------
+
+DECODE_SM_SCALE_POWER = -0.55  # FlashMLA's decode tests: sm_scale = d_qk ** -0.55
 
 
 def _paged_scope(gen: torch.Generator, *, batch: int, s_q: int, s_kv: int, topk: int, block_size: int, layout,
@@ -347,7 +469,7 @@ def _paged_scope(gen: torch.Generator, *, batch: int, s_q: int, s_kv: int, topk:
     quantize = kv_cache.quantize_into_cache if cache.is_cuda else kv_cache.quantize_into_cache_ref
     for start in range(0, n_slots, 1 << 20):  # chunks bound the float32 staging of big caches
         chunk = torch.arange(start, min(start + (1 << 20), n_slots), device=device)
-        quantize(cache, chunk, _device_normal(gen, (chunk.numel(), 1, layout.d), device))
+        quantize(cache, chunk, normal_inputs(gen, chunk.numel(), 1, layout.d, device=device))
     rows = (kv_cache.dequantize_from_cache_ref(cache, torch.arange(n_slots, device=device), torch.float32)
             if oracle_rows else None)
 
@@ -376,33 +498,6 @@ def _paged_scope(gen: torch.Generator, *, batch: int, s_q: int, s_kv: int, topk:
     return DecodeCache(cache, rows, n_slots), indices, topk_length
 
 
-def _poison_unselected_fast(cache: DecodeCache, indices: torch.Tensor, lengths: torch.Tensor | None) -> None:
-    """poison_unselected, vectorized on the cache's device (large GPU cases): NaN e4m3 codes and NaN
-    bf16 RoPE in every slot no valid entry selects, NaN rows in `rows`."""
-    b, s_q, topk = indices.shape
-    device = indices.device
-    valid = (indices >= 0) & (indices < cache.n_slots)
-    if lengths is not None:
-        valid &= torch.arange(topk, device=device)[None, None, :] < lengths[:, None, None]
-    selected = torch.zeros(cache.n_slots, dtype=torch.bool, device=device)
-    selected[indices[valid].long()] = True
-    if cache.rows is not None:
-        cache.rows[~selected] = float("nan")
-    c = cache.cache
-    layout = kv_cache.layout_of(c)
-    num_blocks, block_size = c.shape[:2]
-    raw = torch.as_strided(c.view(torch.uint8), (num_blocks, block_size * layout.bytes_per_token), (c.stride(0), 1))
-    if layout is kv_cache.MODEL1:  # per token [448 e4m3 | 64 bf16 RoPE] at t * 576 (module kv_cache.fp8)
-        tokens = raw[:, :block_size * 576].view(num_blocks, block_size, 576)
-        nope, rope = tokens[:, :, :layout.d_nope], tokens[:, :, layout.d_nope:]
-    else:  # per token [512 e4m3 | 16 B scales | 64 bf16 RoPE] at t * 656
-        tokens = raw.view(num_blocks, block_size, layout.bytes_per_token)
-        nope, rope = tokens[:, :, :layout.d_nope], tokens[:, :, layout.d_nope + 4 * layout.num_tiles:]
-    unselected = ~selected.view(num_blocks, block_size)
-    nope[unselected] = 0x7F  # e4m3 NaN
-    rope[unselected] = 0xFF  # bf16 0xFFFF: NaN
-
-
 def flashmla_decode_case(seed: int, *, batch: int, s_q: int, h_q: int, layout, topk: int, s_kv: int,
                          block_size: int, extra: tuple[int, int, int] | None = None, varlen: bool = True,
                          topk_length: bool = False, extra_topk_length: bool = False, all_invalid: bool = False,
@@ -419,17 +514,17 @@ def flashmla_decode_case(seed: int, *, batch: int, s_q: int, h_q: int, layout, t
                   all_invalid=all_invalid, fillers=fillers, oracle_rows=oracle_rows, device=device)
     main, indices, lengths = _paged_scope(gen, s_kv=s_kv, topk=topk, block_size=block_size, lengths=topk_length,
                                           **common)
-    _poison_unselected_fast(main, indices, lengths)
+    poison_unselected(main, indices, lengths)
     extra_cache = extra_indices = extra_lengths = None
     if extra is not None:
         extra_topk, extra_s_kv, extra_block_size = extra
         extra_cache, extra_indices, extra_lengths = _paged_scope(gen, s_kv=extra_s_kv, topk=extra_topk,
                                                                  block_size=extra_block_size,
                                                                  lengths=extra_topk_length, **common)
-        _poison_unselected_fast(extra_cache, extra_indices, extra_lengths)
+        poison_unselected(extra_cache, extra_indices, extra_lengths)
     elif extra_topk_length:
         raise ValueError("extra_topk_length: needs an extra cache (extra=...)")
-    q = _device_normal(gen, (batch, s_q, h_q, layout.d), device).to(torch.bfloat16)
+    q = normal_inputs(gen, batch, s_q, h_q, layout.d, device=device).to(torch.bfloat16)
     if strided_q:
         q = _strided_view(q)
     attn_sink = sinks(torch.Generator().manual_seed(seed), h_q).to(device) if sink else None

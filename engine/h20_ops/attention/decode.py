@@ -162,6 +162,9 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
     extra, extra_topk = None, 0
     if extra_cache is not None:
         extra = check_decode_cache(n("extra_cache"), extra_cache, q, LAYOUTS)
+        if extra.layout is not main.layout:  # also with a plan, which records the main cache's kind only
+            raise ValueError(f"{n('extra_cache')}: expected the same kind of cache as {n('cache')} "
+                             f"({_kind_name(main.layout)}), got {_kind_name(extra.layout)}")
         extra_topk = check_decode_list(n("extra_indices"), extra_indices, n("extra_topk_length"), extra_topk_length, q)
     check_sink(attn_sink, h_q, n("attn_sink"))
     if attn_sink is not None and attn_sink.device != q.device:
@@ -184,8 +187,8 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
     if extra_cache is None and plan.splits == 1 and plan.path != "gathered":
         # one cache, no split: the kernel takes the slot ids as they are (it masks ids outside the cache)
         lengths = None if topk_length is None else topk_length.repeat_interleave(s_q)
-        out, lse = _attend(plan, q_rows, cache, None, indices.reshape(rows, topk), sm_scale, attn_sink, lengths,
-                           out_rows, cache_names)
+        out, lse = _attend(plan, q_rows, cache, None, _unit_stride(indices.reshape(rows, topk)), sm_scale, attn_sink,
+                           lengths, out_rows, cache_names)
         return AttentionOutput(out.view(batch, s_q, h_q, D_V), lse.view(batch, s_q, h_q))
     lists, slots, q_split = build_decode_lists(indices, topk_length, main.n_slots, extra_indices, extra_topk_length,
                                                0 if extra is None else extra.n_slots, plan.list_len,
@@ -210,15 +213,22 @@ def _triton_paged_fp8(plan: DecodePlan, q_rows, cache, indices, topk_length, ext
     from .triton_paged_fp8 import paged_fp8_decode
 
     rows = plan.batch * plan.s_q
-    flat = lambda t: None if t is None else t.reshape(rows, t.size(2))  # noqa: E731
-    out, lse = paged_fp8_decode(q_rows, cache, flat(indices), topk_length, s_q=plan.s_q, sm_scale=sm_scale,
-                                cache1=extra_cache, indices1=flat(extra_indices), lengths1=extra_topk_length,
-                                attn_sink=attn_sink if plan.splits == 1 else None, splits=plan.splits,
+    flat = lambda t: None if t is None else _unit_stride(t.reshape(rows, t.size(2)))  # noqa: E731
+    out, lse = paged_fp8_decode(q_rows, cache, flat(indices), _unit_stride(topk_length), s_q=plan.s_q,
+                                sm_scale=sm_scale, cache1=extra_cache, indices1=flat(extra_indices),
+                                lengths1=_unit_stride(extra_topk_length),
+                                attn_sink=_unit_stride(attn_sink) if plan.splits == 1 else None, splits=plan.splits,
                                 out=out_rows if plan.splits == 1 else None)
     if plan.splits > 1:
         out, lse = merge_splits(out, lse, plan.splits, attn_sink, q_rows.dtype, out_rows)
     shape = (plan.batch, plan.s_q, plan.h_q)
     return AttentionOutput(out.view(*shape, D_V), lse.view(shape))
+
+
+def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t, or a copy with a unit last stride: the kernels read slot-id lists, lengths and the sink with unit
+    stride, the public boundary takes any view (a copy only for exotic strides)."""
+    return t if t is None or t.size(-1) <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
 def _attend(plan: DecodePlan, q_rows, kv, extra_cache, lists, sm_scale, attn_sink, lengths, out, cache_names):

@@ -104,21 +104,11 @@ def reset_resolution_for_tests() -> None:
 # ---------------------------------------------------------------------------------------------
 
 def _gluon_unsupported(q: torch.Tensor, kv: torch.Tensor) -> str | None:
-    """Why the Gluon SM90 kernel cannot take (q, kv), or None: it is built for bf16 on an SM90 GPU and
-    reads rows by 16-byte cp.async, which needs 16-byte aligned q / kv pointers and row strides that are
-    multiples of 16 elements (Triton's JIT specializes on that; without it the kernel does not compile)."""
-    if triton_interprets() or not q.is_cuda:
-        return "Triton's interpreter (no CUDA device)"
-    if q.dtype != torch.bfloat16:
-        return f"q is {str(q.dtype).removeprefix('torch.')} (the Gluon kernel is bf16 only)"
-    capability = cuda_capability(q.device)
-    if capability != (9, 0):
-        return f"GPU sm_{capability[0]}{capability[1]} is not SM90"
-    strides = (q.stride(0), q.stride(1), kv.stride(0))
-    if any(s % 16 for s in strides) or q.data_ptr() % 16 or kv.data_ptr() % 16:
-        return (f"q / kv rows not 16-byte aligned (row strides {strides} elements, data_ptr % 16 = "
-                f"{q.data_ptr() % 16} / {kv.data_ptr() % 16}): ~1.5x slower")
-    return None
+    """Why the Gluon SM90 kernel cannot take (q, kv), or None (its requirements live with it:
+    vendor/flashmla_sparse_gluon_sm90.unsupported)."""
+    from ..vendor.flashmla_sparse_gluon_sm90 import unsupported
+
+    return unsupported(q, kv)
 
 
 def prefill_kernel(q: torch.Tensor, kv: torch.Tensor, backend: str | None = None) -> KernelChoice:

@@ -185,9 +185,17 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     tensor in q's dtype that the kernel writes (and that is returned), None: a new one."""
     shape, indices = check_sparse_mla_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
                                            q_dtypes=(torch.bfloat16, torch.float32))
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {', '.join(KERNELS)}, got {kernel!r}")
     if not (q.is_cuda or _INTERPRET):
         raise ValueError(f"q: expected a CUDA tensor (or Triton's interpreter: TRITON_INTERPRET=1), "
                          f"got device {q.device}")
+    if kernel == "gluon_sm90":
+        if config is not None:
+            raise ValueError("config: the launch parameters of the portable kernel, given with kernel='gluon_sm90'")
+        why = flashmla_sparse_gluon_sm90.unsupported(q, kv)
+        if why is not None:
+            raise ValueError(f"kernel: 'gluon_sm90' cannot run these tensors: {why}")
     if _INTERPRET:
         require_interpretable_numpy("flash_mla_sparse_fwd")
     s_q, h_q = shape.s_q, shape.h_q
@@ -199,11 +207,7 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
     if s_q == 0:
         return out, max_logits, lse
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel: expected one of {', '.join(KERNELS)}, got {kernel!r}")
     if kernel == "gluon_sm90":
-        if config is not None:
-            raise ValueError("config: the launch parameters of the portable kernel, given with kernel='gluon_sm90'")
         flashmla_sparse_gluon_sm90.launch(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits, lse)
         return out, max_logits, lse
     if config is None:

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from ..platform import sm_count
+from ..platform import cuda_capability, sm_count, triton_interprets
 
 HEADS_PER_CTA = 64
 BLOCK_TOPK = 64
@@ -340,11 +340,31 @@ def sparse_mla_fwd_sm90_kernel(
     ], [NUM_WARPS, NUM_WARPS], [232, 40])
 
 
+def unsupported(q: torch.Tensor, kv: torch.Tensor) -> str | None:
+    """Why this kernel cannot run on (q, kv), or None: it is built for bf16 on an SM90 GPU and reads rows by
+    16-byte cp.async, which needs 16-byte aligned q / kv pointers and row strides that are multiples of 16
+    elements (Triton's JIT specializes on that; without it the kernel does not compile)."""
+    if triton_interprets():
+        return "Triton's interpreter (no CUDA device)"
+    if not q.is_cuda:
+        return f"q is on {q.device}, not a CUDA device"
+    if q.dtype != torch.bfloat16:
+        return f"q is {str(q.dtype).removeprefix('torch.')} (the Gluon kernel is bf16 only)"
+    capability = cuda_capability(q.device)
+    if capability != (9, 0):
+        return f"GPU sm_{capability[0]}{capability[1]} is not SM90"
+    strides = (q.stride(0), q.stride(1), kv.stride(0))
+    if any(s % 16 for s in strides) or q.data_ptr() % 16 or kv.data_ptr() % 16:
+        return (f"q / kv rows not 16-byte aligned (row strides {strides} elements, data_ptr % 16 = "
+                f"{q.data_ptr() % 16} / {kv.data_ptr() % 16}; the portable kernel takes them, ~1.5x slower)")
+    return None
+
+
 def launch(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
            attn_sink: torch.Tensor | None, topk_length: torch.Tensor | None,
            out: torch.Tensor, max_logits: torch.Tensor, lse: torch.Tensor) -> None:
-    """Run the kernel on validated arguments (flashmla_sparse.flash_mla_sparse_fwd): q [s_q, h_q, d_qk]
-    bf16, kv [s_kv, 1, d_qk], indices [s_q, topk] int32; writes out [s_q, h_q, 512], max_logits and lse
+    """Run the kernel on validated arguments (flashmla_sparse.flash_mla_sparse_fwd; `unsupported` is None
+    for them): q [s_q, h_q, d_qk] bf16, kv [s_kv, 1, d_qk], indices [s_q, topk] int32; writes out [s_q, h_q, 512], max_logits and lse
     [s_q, h_q] (natural log)."""
     s_q, h_q, d_qk = q.shape
     d_v = out.shape[-1]
