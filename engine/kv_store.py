@@ -109,9 +109,10 @@ class PagedRows:
     def held_pages(self, rid: str) -> int:
         return sum(p >= 0 for p in self._tables[rid])
 
-    def _ensure(self, rid: str, first_row: int, end_row: int) -> None:
+    def ensure_rows(self, rid: str, first_row: int, end_row: int) -> None:
         """Back rows first_row .. end_row - 1 with pages (earlier logical pages are not allocated:
-        prefill keeps only the tail of a long prompt in the window store)."""
+        prefill keeps only the tail of a long prompt in the window store); a decode step backs the rows
+        it will write before its first layer, so that its slot lists are known up front."""
         table = self._tables[rid]
         for logical in range(first_row // self.page_size, -(-end_row // self.page_size)):
             while len(table) <= logical:
@@ -141,12 +142,21 @@ class PagedRows:
         n = values.size(0)
         if n == 0:
             return
-        self._ensure(rid, first_row, first_row + n)
-        slots = self.slots(rid, torch.arange(first_row, first_row + n)).to(values.device)
+        self.ensure_rows(rid, first_row, first_row + n)
+        self.write_at(layer, self.slots(rid, torch.arange(first_row, first_row + n)).to(values.device), values)
+
+    def write_at(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Store values [n, row_dim] at slots [n] (on the store's device; held by their requests)."""
         if self.fp8:
-            ops.kv_quantize(self.layers[layer], slots, values.reshape(n, 1, self.row_dim).contiguous())
+            ops.kv_quantize(self.layers[layer], slots, values.reshape(values.size(0), 1, self.row_dim).contiguous())
         else:
             self.layers[layer][slots] = values.to(self.dtype)
+
+    def cache(self, layer: int) -> torch.Tensor:
+        """The layer's rows as a decode cache (engine.h20_ops.sparse_mla_decode): the paged fp8 tensor
+        [num_pages, page_size, 1, 584], or dense rows [num_slots, 1, row_dim]; slot ids address both."""
+        rows = self.layers[layer]
+        return rows if self.fp8 else rows.view(rows.size(0), 1, self.row_dim)
 
     def gather(self, layer: int, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Rows at slots [B, W] (-1: empty, gives a zero row) into out [B, W, 1, row_dim]."""

@@ -1,10 +1,11 @@
 """Non-attention ops of the engine, each with a Triton and a plain-torch (`ref`) implementation.
 
-DEEPINFER_KERNELS (engine.config.kernels()) picks the implementation per call. When Triton is
-chosen but cannot run -- triton not importable, a tensor Triton cannot reach (CPU tensor without
-TRITON_INTERPRET=1), or a Triton compile/launch error -- the op raises OpUnavailableError under
-DEEPINFER_OPS_STRICT=1, otherwise it runs the ref implementation and the fallback is counted per
-op (fallback_counts()) and logged once per op and reason.
+DEEPINFER_KERNELS (engine.config.kernels()) picks the implementation per call. The project's one
+fallback policy (README "Configuration"): an op falls back only when its chosen implementation is
+MISSING -- triton not importable, or a tensor Triton cannot reach (a CPU tensor without
+TRITON_INTERPRET=1) -- never because running it failed (a compile or launch error, an OOM propagates).
+A fallback raises OpUnavailableError under DEEPINFER_OPS_STRICT=1; otherwise the ref implementation
+runs and the fallback is counted per op (fallback_counts()) and logged once per op and reason.
 
 Ops (each also named in fallback_counts()):
   rms_norm(x, weight=None, eps) over the last dim. Numerics as DeepSeek-V4 in transformers: fp32
@@ -35,7 +36,6 @@ log = logging.getLogger(__name__)
 try:
     import triton
     import triton.language as tl
-    from triton.errors import TritonError
 except ImportError as _exc:  # the ref implementations still work; triton calls count as unavailable
     triton = None
     _TRITON_IMPORT_ERROR = f"triton not importable ({_exc})"
@@ -83,10 +83,7 @@ def _dispatch(op: str, triton_impl, ref_impl, tensors: tuple[torch.Tensor, ...],
         return ref_impl(*args)
     reason = _triton_unavailable_reason(*tensors)
     if reason is None:
-        try:
-            return triton_impl(*args)
-        except (TritonError, RuntimeError) as exc:  # compile or launch failure
-            reason = f"triton {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return triton_impl(*args)  # an error from running it is an error, never a fallback
     if config.ops_strict():
         raise OpUnavailableError(f"{op}: the triton implementation cannot run ({reason}) and DEEPINFER_OPS_STRICT=1")
     with _lock:

@@ -20,7 +20,7 @@ NextN decoding (DEEPINFER_USE_NEXTN_DECODE=1, k = num_speculative_tokens drafts 
     main model's hidden state h_i) and drafts k tokens with the request's SamplingParams on the
     stream's draft lane (chained drafts feed its own hidden state back); their logits are kept;
   - a decode step verifies every running request's [last token, k drafts] in ONE main-model
-    forward (decode_attn_sparse with s_q = k + 1), then sampling.rejection_sample accepts a
+    forward (sparse_mla_decode with s_q = k + 1), then sampling.rejection_sample accepts a
     prefix (sampled: draft x kept with probability min(1, p_target(x) / p_draft(x)); greedy: iff
     it equals the target argmax) and emits the correction token, or a bonus token when all k are
     accepted: 1 .. k + 1 tokens per step;
@@ -36,7 +36,7 @@ acceptance rate.
 
 The model is transformers' DeepseekV4ForCausalLM (weights, MoE, embeddings, head) driven by
 engine.model.deepseek_v4 (norms/RoPE through engine.ops, attention through
-engine.h20_ops.attention.entry, KV in engine.kv_store).
+engine.h20_ops.sparse_mla_prefill / sparse_mla_decode, KV in engine.kv_store).
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ from engine import config, ops
 from engine.h20_ops import sampling
 from engine.h20_ops.attention import dispatch
 from engine.kv_store import KV_CACHE_DTYPES, PagedRows, RequestState
-from engine.model.deepseek_v4 import CSA, HCA, DeepseekV4Runtime, NextNRuntime, SeqStep, Stores
+from engine.model.deepseek_v4 import DeepseekV4Runtime, NextNRuntime, SeqStep, Stores
+from engine.model.layer_types import CSA, HCA
 from engine.model.hf_oracle import load_hf_model
 from engine.model.nextn import load_nextn_layer
 
@@ -537,6 +538,7 @@ class Engine:
             "decode_tokens_per_s": st["decode_tokens"] / st["decode_seconds"] if st["decode_seconds"] else None,
             "op_fallbacks": ops.fallback_counts(),
             "sparse_mla_backend": dispatch.resolve_backend(),
+            "sparse_mla_kernels": dispatch.kernel_choices(),
             "kv_cache_dtype": self.kv_cache_dtype,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),

@@ -1,5 +1,5 @@
 // How fast can one CTA per SM gather random 576-byte rows (a MODEL1 token's data) from HBM into shared
-// memory, with no compute: the ceiling of the paged fp8 decode kernel's reads (docs/decode.md).
+// memory, with no compute: the ceiling of the paged fp8 decode kernel's reads (docs/lab/decode.md).
 // One CTA per SM (128 threads) streams 2560 rows through a ring of `depth` 64-row slots (depth slots in
 // flight); all rows are distinct (a random permutation of a 302 MB cache, so nothing is read twice),
 // copied by cp.async 16 B (the kernel's way: 4 threads per row), by cp.async.bulk (the TMA engine, one

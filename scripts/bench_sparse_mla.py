@@ -14,7 +14,7 @@ Inputs: random, distinct indices per query (top-k of random keys), never zeros.
 Usage: python scripts/bench_sparse_mla.py [--flaggems-file .whl/flaggems/flashmla_sparse.py]
        [--sweep] [--shapes v4flash512,v32]
 `--sweep` also times several launch configurations of the portable Triton kernel (tuning data,
-docs/perf.md).
+docs/lab/prefill.md).
 Exits nonzero when a kernel fails or its output disagrees with the oracle.
 """
 
@@ -63,7 +63,7 @@ SHAPES = {
 
 # Launch configurations timed by --sweep (block_k, num_warps, num_stages): the default, one more
 # stage where shared memory allows it, and 32-entry blocks with a gather prefetched two or three
-# blocks ahead (docs/triton_kernel_notes.md). 8 warps keep the [64, 512] fp32 accumulator in registers.
+# blocks ahead (docs/lab/triton_kernel_notes.md). 8 warps keep the [64, 512] fp32 accumulator in registers.
 SWEEP_CONFIGS = {
     512: [KernelConfig(64, 8, 2), KernelConfig(32, 8, 3), KernelConfig(32, 8, 4)],
     576: [KernelConfig(64, 8, 2), KernelConfig(64, 8, 3), KernelConfig(32, 8, 3), KernelConfig(32, 8, 4)],

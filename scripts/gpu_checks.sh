@@ -3,9 +3,11 @@
 # benchmarks and the end-to-end report. Each step has its own time limit and log; a summary of exit
 # codes ends the output, and the script exits nonzero if any step failed.
 #   bash scripts/gpu_checks.sh LOGDIR STEP [STEP...]
-# steps: compile tests tests-no-tilelang engine memcheck ab bench sweep decode gather e2e e2e-rank-per-gpu
-#        e2e-fp8 e2e-fp32 e2e-nextn e2e-sampled sample
-# A TileLang bundle at .tilelang_bundle/*.tar.xz (scripts/tilelang_bundle.sh) is installed first.
+# steps: compile tests tests-no-tilelang engine memcheck ab bench sweep decode flashmla gather e2e
+#        e2e-rank-per-gpu e2e-fp8 e2e-fp32 e2e-nextn e2e-sampled sample
+# A TileLang bundle at .tilelang_bundle/*.tar.xz (scripts/tilelang_bundle.sh) is installed first; the
+# built FlashMLA package at .flashmla/flash_mla_sm90_pkg.tar.xz (the peer scripts/bench_flash_mla.py
+# measures against) is unpacked and put on the path.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logdir=$1; shift
@@ -16,6 +18,9 @@ export PATH="/usr/local/cuda/bin:$PATH"
 bundle=$(ls .tilelang_bundle/*.tar.xz 2>/dev/null | head -1)
 if [ -n "$bundle" ]; then
     bash scripts/tilelang_bundle.sh install "$bundle" /tmp/tl >>"$logdir/bundle.log" 2>&1 && export PYTHONPATH="/tmp/tl:$PYTHONPATH"
+fi
+if [ -f .flashmla/flash_mla_sm90_pkg.tar.xz ]; then
+    mkdir -p /tmp/fmla && tar -C /tmp/fmla -xJf .flashmla/flash_mla_sm90_pkg.tar.xz && export PYTHONPATH="/tmp/fmla:$PYTHONPATH"
 fi
 # Wheels carried in .wheels_e2e/ (e.g. a newer transformers for the bf16 oracle) shadow the image's.
 if ls .wheels_e2e/*.whl >/dev/null 2>&1; then
@@ -55,12 +60,15 @@ for s in "$@"; do
                 -p no:cacheprovider tests/test_sparse_mla_sm90.py \
                 -k "(test_matches_oracle and 100-700 and 128-576) or (several_items and 300-128-576)"
             step memcheck_paged_fp8 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q \
-                -p no:cacheprovider tests/test_sparse_mla_sm90_paged_fp8.py -k "test_matches_oracle and extras1" ;;
-        ab) step ab_vendored 150 python3 scripts/ab_vendored.py --no-bench
-            step ab_decode 200 python3 scripts/ab_decode.py ;;
+                -p no:cacheprovider tests/test_sparse_mla_sm90_paged_fp8.py -k "test_matches_oracle and extras1"
+            # engine.h20_ops.flash_mla on both backends: all-invalid rows, fillers, NaN bytes in unselected slots
+            step memcheck_flash_mla 200 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q \
+                -p no:cacheprovider tests/test_flash_mla.py -m gpu -k "test_gpu_decode_grid and corner and b4 and inv1" ;;
+        ab) step ab_vendored 150 python3 scripts/ab_vendored.py --no-bench ;;
         bench) step bench 300 python3 scripts/bench_sparse_mla.py --flaggems-file "$flaggems" ;;
         sweep) step sweep 300 python3 scripts/bench_sparse_mla.py --sweep --shapes v4flash512,v32 --flaggems-file "$flaggems" ;;
-        decode) step bench_decode 300 python3 scripts/bench_decode.py --batches 1,8,16,32,64,128 ;;
+        decode) step bench_flash_mla 480 python3 scripts/bench_flash_mla.py ;;  # decode and prefill vs FlashMLA
+        flashmla) step flash_mla_tests 480 python3 -m pytest -q -p no:cacheprovider tests/test_flash_mla.py -m gpu ;;
         gather) step row_gather 120 bash -c "nvcc -arch=sm_90a -O3 -o /tmp/bench_row_gather scripts/bench_row_gather.cu && /tmp/bench_row_gather" ;;
         e2e) step e2e 400 bash scripts/h20_e2e_report.sh --compare --json "$logdir/e2e.json" ;;
         # one rank per GPU of this machine: the NCCL group (e2e's 8 ranks are that on 8 GPUs only)

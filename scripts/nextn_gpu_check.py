@@ -8,7 +8,7 @@ when a float32 case with the float32 cache differs in any token (the contract: N
 never greedy tokens), or a case raises. bfloat16 rows are informational (a batch of k + 1 rows may
 round differently), and so are fp8-cache rows: the verifier's fp32 summation order can move a stored
 value across an e4m3 rounding boundary (one step), which moves later logits by ~1e-4 instead of
-~1e-5, enough to part a close choice (docs/e2e.md, "NextN with the fp8 cache").
+~1e-5, enough to part a close choice (docs/lab/e2e.md, "NextN with the fp8 cache").
 The tiny checkpoint's NextN layer has random weights, so its acceptance rate is near 0: the rows
 measure the verify/draft overhead, not a trained drafter's speed-up.
 

@@ -2,7 +2,7 @@
 
 The same matrix runs on CPU (Triton interpreter: the portable kernel) or, when CUDA is present, on the
 GPU with bf16 tensor-core dots (on SM90 the Gluon kernel for bf16; the portable kernel is checked there
-by its own GPU tests below). Tolerances are FlashMLA's own (../shared/reference/sparse_mla_contract.md): out
+by its own GPU tests below). Tolerances are FlashMLA's own (docs/contract.md, "Tolerances"): out
 abs 8e-4 or rel 3.01/128 per element and cosine distance <= 7e-6; lse and max_logits abs 1e-6 or
 rel 2.01/65536; +inf/-inf/NaN positions exact.
 """

@@ -32,7 +32,7 @@ FP32_LOGITS_ATOL = 2e-3  # logits are O(10); fp32 summation-order differences st
 # Measured on a CPU (2026-11-30): a relative change of 1e-6 / 1e-5 in the cached values before
 # rounding moves the emulation's logits by up to 0.12 / 0.38; the engine against the emulation
 # differs by 0.005-0.008 on a development machine's CPU and by 0.059 on the H200 machine's CPU; the
-# quantization itself moves them by 2.2 and 2.8 (docs/tests.md). The fp8 path's exactness is tested
+# quantization itself moves them by 2.2 and 2.8 (docs/lab/tests.md). The fp8 path's exactness is tested
 # engine against engine, bit for bit.
 FP8_LOGITS_ATOL = 0.5
 
@@ -295,15 +295,15 @@ def test_engine_fp8_kv_cache_holds_the_reference_round_trip(checkpoint, prompts,
     _all_pages_free(engine)
 
     quantized = {"window", "csa", "hca"}
-    write, roundtrip = PagedRows.write, PagedRows.roundtrip
+    write_at, roundtrip = PagedRows.write_at, PagedRows.roundtrip
 
-    def write_rounded(self, layer, rid, first_row, values):
-        write(self, layer, rid, first_row, fp8_round_trip(values) if self.name in quantized else values)
+    def write_rounded(self, layer, slots, values):  # every store write goes through write_at
+        write_at(self, layer, slots, fp8_round_trip(values) if self.name in quantized else values)
 
     def roundtrip_rounded(self, values):
         return roundtrip(self, fp8_round_trip(values) if self.name in quantized else values)
 
-    monkeypatch.setattr(PagedRows, "write", write_rounded)
+    monkeypatch.setattr(PagedRows, "write_at", write_rounded)
     monkeypatch.setattr(PagedRows, "roundtrip", roundtrip_rounded)
     rounded = Engine(checkpoint).generate([Request(n, prompts[n][0], 4) for n in names])
     for name, completion, expected in zip(names, completions, rounded):
@@ -546,3 +546,65 @@ def _kept_probabilities(step_logits, tokens):
     kept_mass = (desc * kept).sum(-1)
     chosen = probs.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
     return chosen / kept_mass
+
+
+# ------------------------------------------------------------------------------------------
+# decode metadata: once per step, GPU ops only inside a layer's attention
+
+class _HostTransferInLayer(AssertionError):
+    pass
+
+
+def _forbid_host_transfers(monkeypatch):
+    """From now on, making a tensor from host data or moving one between devices raises."""
+    def forbidden(name):
+        def call(*args, **kwargs):
+            raise _HostTransferInLayer(f"{name} inside a layer's decode attention")
+        return call
+
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):  # dtype conversions are GPU ops; a device argument is a transfer
+        if "device" in kwargs or any(isinstance(a, (str, torch.device)) or
+                                     (isinstance(a, torch.Tensor) and a.device != self.device) for a in args):
+            raise _HostTransferInLayer(f"Tensor.to{args} inside a layer's decode attention")
+        return real_to(self, *args, **kwargs)
+
+    for name in ("tensor", "as_tensor", "from_numpy"):
+        monkeypatch.setattr(torch, name, forbidden(f"torch.{name}"))
+    for name in ("cpu", "cuda", "tolist", "item", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden(f"Tensor.{name}"))
+    monkeypatch.setattr(torch.Tensor, "to", to)
+
+
+def test_decode_metadata_is_built_once_per_step_and_layers_copy_nothing_to_the_device(checkpoint, prompts,
+                                                                                      backend_env, monkeypatch):
+    """build_decode_metadata runs once per decode step (not per layer: every layer of the step runs its
+    attention on it), and a layer's decode attention (the slot lists, the indexer's choices mapped to
+    slots, the attention call) creates no tensor from host data and moves none between devices."""
+    from engine.model import deepseek_v4
+
+    backend_env()
+    real_build, real_attention = deepseek_v4.build_decode_metadata, deepseek_v4.DeepseekV4Runtime._decode_attention
+    builds, attention_calls = [], []
+
+    def counting_build(runtime, seqs):
+        builds.append(len(seqs))
+        return real_build(runtime, seqs)
+
+    def guarded_attention(self, *args):
+        attention_calls.append(args[0])
+        with pytest.MonkeyPatch.context() as guard:
+            _forbid_host_transfers(guard)
+            return real_attention(self, *args)
+
+    monkeypatch.setattr(deepseek_v4, "build_decode_metadata", counting_build)
+    monkeypatch.setattr(deepseek_v4.DeepseekV4Runtime, "_decode_attention", guarded_attention)
+    engine = Engine(checkpoint)
+    names = ["long", "short"]  # 190 tokens: every layer type has compressed entries
+    new_tokens = 4
+    engine.generate([Request(n, prompts[n][0], new_tokens) for n in names])
+    layers = engine.hf_model.config.num_hidden_layers
+    decode_steps = engine.stats()["decode_steps"]
+    assert decode_steps == new_tokens - 1 and builds == [len(names)] * decode_steps
+    assert attention_calls == list(range(layers)) * decode_steps

@@ -131,11 +131,19 @@ def test_kernels_ref_never_calls_triton(monkeypatch):
 
 
 def _break_triton(monkeypatch):
+    """Triton missing, as on a node where it does not import: the one case that falls back."""
+    monkeypatch.setattr(ops, "_TRITON_IMPORT_ERROR", "triton not importable (simulated)")
+
+
+def test_an_error_from_running_triton_propagates_never_a_fallback(monkeypatch):
+    """The fallback policy: a missing implementation falls back (counted); a failing one is an error."""
     def failing_launch(*args):
         raise InterpreterError("simulated Triton launch failure")
 
     monkeypatch.setattr(ops, "_rms_norm_triton", failing_launch)
-    monkeypatch.setattr(ops, "_rope_triton", failing_launch)
+    with pytest.raises(InterpreterError, match="simulated"):
+        ops.rms_norm(torch.randn(3, 4, 128, device=DEVICE))
+    assert ops.fallback_counts() == {}
 
 
 def test_fallback_counted_per_op(monkeypatch):

@@ -9,3 +9,12 @@ import torch
 # Triton's CPU interpreter (slow, exact enough for tests and the CPU end-to-end report).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from . import kv_cache, sampling  # noqa: E402 (after TRITON_INTERPRET: they define Triton kernels)
+from .attention import (AttentionOutput, DecodePlan, plan_sparse_decode, sparse_mla_decode,  # noqa: E402
+                        sparse_mla_prefill)
+from .attention.dispatch import kernel_choices  # noqa: E402
+from .attention.reference import RefResult, sparse_mla_decode_ref, sparse_mla_prefill_ref  # noqa: E402
+
+__all__ = ["AttentionOutput", "DecodePlan", "RefResult", "kernel_choices", "kv_cache", "plan_sparse_decode",
+           "sampling", "sparse_mla_decode", "sparse_mla_decode_ref", "sparse_mla_prefill", "sparse_mla_prefill_ref"]

@@ -1,6 +1,7 @@
 """Choosing between the TileLang and the Triton implementation of an op, once per process.
 
-Auto resolution imports the op's TileLang kernel module: only a ModuleNotFoundError for `tilelang`
+Auto resolution is triton on a GPU that is not an SM90 (the TileLang kernels are built for sm_90a);
+on an SM90 it imports the op's TileLang kernel module: only a ModuleNotFoundError for `tilelang`
 itself means "TileLang missing" (-> triton); anything else, a ModuleNotFoundError for one of
 TileLang's submodules or dependencies included (a partial install), is a broken install and
 propagates. Without CUDA, auto is always triton (TileLang kernels only run on an SM90 GPU; Triton runs
@@ -99,7 +100,7 @@ def import_tilelang_module_or_explain(module: str, requested_as: str):
             "offline bundle, see README) or choose triton") from exc
 
 
-def _dp_rank_suffix() -> str:
+def dp_rank_suffix() -> str:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return f" [dp rank {dist.get_rank()}/{dist.get_world_size()}]"
@@ -137,6 +138,10 @@ class BackendSelector:
                       "auto: no CUDA device, and TRITON_INTERPRET turns Triton's interpreter off: its kernels "
                       "cannot run")
             return Resolution("triton", reason, None)
+        capability = torch.cuda.get_device_capability()
+        if capability != (9, 0):
+            return Resolution("triton", f"auto: GPU sm_{capability[0]}{capability[1]} is not SM90 (the TileLang "
+                                        "kernels are built for sm_90a)", None)
         try:
             self.import_tilelang()
         except ModuleNotFoundError as exc:
@@ -149,7 +154,7 @@ class BackendSelector:
             if self._resolution is None:
                 self._resolution = self._resolve()
                 log.warning("%s backend: %s (%s)%s", self.op, self._resolution.backend, self._resolution.reason,
-                            _dp_rank_suffix())
+                            dp_rank_suffix())
             return self._resolution
 
     def reset_for_tests(self) -> None:

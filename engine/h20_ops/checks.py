@@ -42,6 +42,21 @@ def require_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {t.stride()}")
 
 
+def check_out(name: str, out, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    """A caller's output buffer: a contiguous tensor of exactly `shape` and `dtype` on `device` (the
+    kernels write it in place)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype} (q's), got {out.dtype}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(out.shape)}")
+    if out.device != device:
+        raise ValueError(f"{name}: expected device {device} (same as q), got {out.device}")
+    if not out.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {out.stride()}")
+
+
 def require_scale(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a python float, got {type(value).__name__}")
@@ -140,9 +155,57 @@ def check_sink(attn_sink, h_q: int, name: str = "attn_sink", q_name: str = "q") 
             raise ValueError(f"{name}: expected shape [{h_q}] ({q_name}'s h_q), got {tuple(attn_sink.shape)}")
 
 
-def _check_decode_lists(idx_name: str, indices, len_name: str, lengths, q: torch.Tensor) -> None:
+@dataclass(frozen=True)
+class DecodeCache:
+    """What a decode cache is: paged fp8 (`layout`: kv_cache.MODEL1 / V32) or dense rows (layout None)."""
+
+    layout: object | None  # kv_cache.Fp8KvLayout
+    n_slots: int
+    block_size: int  # 1 for dense rows
+    d_qk: int  # the width of its rows (dequantized)
+
+
+def check_decode_cache(name: str, cache, q: torch.Tensor, layouts) -> DecodeCache:
+    """cache: a paged fp8 cache uint8 / float8_e4m3fn [num_blocks, block_size, 1, bytes_per_token] of one of
+    `layouts`, or dense rows [n_slots, 1, d] in q's dtype; q [B, s_q, h_q, d] already checked."""
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(cache).__name__}")
+    require_same_device("q", q, **{name: cache})
+    if cache.dtype in (torch.uint8, torch.float8_e4m3fn):
+        by_bytes = {layout.bytes_per_token: layout for layout in layouts}
+        if cache.dim() != 4 or cache.size(2) != 1 or cache.size(3) not in by_bytes:
+            raise ValueError(f"{name}: expected a paged fp8 cache [num_blocks, block_size, 1, bytes_per_token in "
+                             f"{sorted(by_bytes)}] ({', '.join(l.name for l in layouts)}), got shape {tuple(cache.shape)}")
+        if cache.size(0) < 1 or cache.size(1) < 1:
+            raise ValueError(f"{name}: expected num_blocks >= 1 and block_size >= 1, got shape {tuple(cache.shape)}")
+        layout = by_bytes[cache.size(3)]
+        # the layout's rules (engine.h20_ops.kv_cache.fp8): whole tokens contiguous, blocks that do not
+        # overlap, fp32 scales / bf16 RoPE words 4-byte aligned in every block
+        if cache.stride(3) != 1 or cache.stride(1) != layout.bytes_per_token:
+            raise ValueError(f"{name}: expected token stride {layout.bytes_per_token} and a contiguous last dim "
+                             f"({layout.name}), got strides {cache.stride()}")
+        if cache.size(0) > 1 and cache.stride(0) < cache.size(1) * layout.bytes_per_token:
+            raise ValueError(f"{name}: block stride {cache.stride(0)} overlaps blocks of {cache.size(1)} tokens "
+                             f"({layout.bytes_per_token} B each)")
+        if cache.stride(0) % 4 or cache.data_ptr() % 4:
+            raise ValueError(f"{name}: expected a 4-byte aligned base and block stride, got data_ptr % 4 = "
+                             f"{cache.data_ptr() % 4}, strides {cache.stride()}")
+        if q.size(3) != layout.d:
+            raise ValueError(f"q: expected d_qk {layout.d} ({name} holds {layout.name} rows), got shape "
+                             f"{tuple(q.shape)}")
+        return DecodeCache(layout, cache.size(0) * cache.size(1), cache.size(1), layout.d)
+    if cache.dtype != q.dtype:
+        raise TypeError(f"{name}: expected dtype {q.dtype} (q's; dense rows) or torch.uint8 (a paged fp8 cache), "
+                        f"got {cache.dtype}")
+    if cache.dim() != 3 or cache.size(1) != 1 or cache.size(2) != q.size(3) or cache.size(0) < 1:
+        raise ValueError(f"{name}: expected dense rows [n_slots >= 1, 1, {q.size(3)}], got shape {tuple(cache.shape)}")
+    require_last_dim_contiguous(name, cache)
+    return DecodeCache(None, cache.size(0), 1, q.size(3))
+
+
+def check_decode_list(idx_name: str, indices, len_name: str, lengths, q: torch.Tensor) -> int:
     """indices [B, s_q, topk >= 1] int32 and lengths [B] int32 (or None) of a decode call with q
-    [B, s_q, h_q, d]."""
+    [B, s_q, h_q, d]; returns topk."""
     b, s_q = q.shape[:2]
     require_tensor(idx_name, indices, dtypes=(torch.int32,), ndim=3)
     require_same_device("q", q, **{idx_name: indices, len_name: lengths})
@@ -152,64 +215,4 @@ def _check_decode_lists(idx_name: str, indices, len_name: str, lengths, q: torch
         require_tensor(len_name, lengths, dtypes=(torch.int32,), ndim=1)
         if lengths.size(0) != b:
             raise ValueError(f"{len_name}: expected shape [{b}] (one per request), got {tuple(lengths.shape)}")
-
-
-def _check_decode_cache(kv_name: str, kv, idx_name: str, indices, len_name: str, lengths, q: torch.Tensor) -> None:
-    b, _, _, d = q.shape
-    require_tensor(kv_name, kv, dtypes=(q.dtype,), ndim=4)
-    require_same_device("q", q, **{kv_name: kv})
-    if kv.size(0) != b or kv.size(2) != 1 or kv.size(3) != d:
-        raise ValueError(f"{kv_name}: expected shape [{b}, N, 1, {d}], got {tuple(kv.shape)}")
-    _check_decode_lists(idx_name, indices, len_name, lengths, q)
-
-
-def _check_paged_cache(cache_name: str, cache, bytes_per_token: int, slots_name: str, slots, idx_name: str,
-                       indices, len_name: str, lengths, q: torch.Tensor) -> None:
-    require_tensor(cache_name, cache, dtypes=(torch.uint8, torch.float8_e4m3fn), ndim=4)
-    if cache.size(2) != 1 or cache.size(3) != bytes_per_token:
-        raise ValueError(f"{cache_name}: expected shape [num_blocks, block_size, 1, {bytes_per_token}], "
-                         f"got {tuple(cache.shape)}")
-    require_tensor(slots_name, slots, dtypes=(torch.int32, torch.int64), ndim=2)
-    require_same_device("q", q, **{cache_name: cache, slots_name: slots})
-    if slots.size(0) != q.size(0) or slots.size(1) < 1:
-        raise ValueError(f"{slots_name}: expected shape [{q.size(0)}, W>=1] (one slot table per request), "
-                         f"got {tuple(slots.shape)}")
-    _check_decode_lists(idx_name, indices, len_name, lengths, q)
-
-
-def check_paged_decode_args(q: torch.Tensor, cache, slots, indices, attn_sink, topk_length, extra_cache,
-                            extra_slots, extra_indices, extra_topk_length, *, bytes_per_token: int) -> None:
-    """Decode over paged caches (q already checked as [B, s_q, h_q, d]): cache [num_blocks, block_size,
-    1, bytes_per_token] uint8 / e4m3 with per-request slot tables slots [B, W] and indices [B, s_q, topk]
-    int32 into them, topk_length [B]; the same for the optional extra cache; sink [h_q]."""
-    _check_paged_cache("cache", cache, bytes_per_token, "slots", slots, "indices", indices, "topk_length",
-                       topk_length, q)
-    extras = (extra_cache, extra_slots, extra_indices)
-    if any(t is None for t in extras) and any(t is not None for t in extras):
-        raise ValueError("extra_cache, extra_slots, extra_indices: pass all three or none")
-    if extra_topk_length is not None and extra_cache is None:
-        raise ValueError("extra_topk_length: given without extra_cache / extra_slots / extra_indices")
-    if extra_cache is not None:
-        _check_paged_cache("extra_cache", extra_cache, bytes_per_token, "extra_slots", extra_slots,
-                           "extra_indices", extra_indices, "extra_topk_length", extra_topk_length, q)
-        if extra_cache.size(1) != cache.size(1):
-            raise ValueError(f"extra_cache: expected block_size {cache.size(1)} (cache's), got shape "
-                             f"{tuple(extra_cache.shape)}")
-    require_same_device("q", q, attn_sink=attn_sink)
-    check_sink(attn_sink, q.size(2))
-
-
-def check_decode_args(q: torch.Tensor, kv, indices, attn_sink, topk_length, extra_kv, extra_indices,
-                      extra_topk_length, *, kv_name: str = "kv", extra_kv_name: str = "extra_kv") -> None:
-    """Decode with per-request caches (q already checked as [B, s_q, h_q, d]): kv [B, N, 1, d] with
-    indices [B, s_q, topk] int32 and topk_length [B]; the same for the optional extra cache; sink [h_q]."""
-    _check_decode_cache(kv_name, kv, "indices", indices, "topk_length", topk_length, q)
-    if (extra_kv is None) != (extra_indices is None):
-        raise ValueError(f"{extra_kv_name} and extra_indices: pass both or neither")
-    if extra_topk_length is not None and extra_kv is None:
-        raise ValueError(f"extra_topk_length: given without {extra_kv_name} / extra_indices")
-    if extra_kv is not None:
-        _check_decode_cache(extra_kv_name, extra_kv, "extra_indices", extra_indices, "extra_topk_length",
-                            extra_topk_length, q)
-    require_same_device("q", q, attn_sink=attn_sink)
-    check_sink(attn_sink, q.size(2))
+    return indices.size(2)

@@ -7,16 +7,19 @@ that is attention or state is the engine's own:
   - K=V rows, compressed entries and indexer keys in the paged stores of engine.kv_store;
   - compressors (ratio 4 with overlapping windows + lightning indexer, ratio 128) step by step
     with per-request state, as transformers' DeepseekV4CSACache / HCACache define them;
-  - attention ONLY through engine.h20_ops.attention.entry: prefill_attn_varlen_sparse over the packed
-    batch, decode_attn_sparse with the sliding window as main cache and compressed entries as the
-    extra cache, sinks passed in; inverse RoPE on the output, then the grouped output projection.
+  - attention ONLY through engine.h20_ops: sparse_mla_prefill over the packed batch, sparse_mla_decode
+    with the sliding-window store as main cache and a compressed store as the extra cache (flat slot
+    ids, sinks passed in); inverse RoPE on the output, then the grouped output projection.
+Decode metadata (engine.model.decode_metadata) is built once per decode step, before the first layer,
+with one host-to-device copy: window slot lists, compressed-entry slot tables, the plans per layer
+type; a layer's attention call only runs GPU ops on it.
 
 Sequence rules (transformers' eager model is the oracle): a query at position p sees window
 positions p - W + 1 .. p (W = sliding_window, itself included) and the compressed entries
 w < (p + 1) // ratio; a ratio-4 layer attends only to the indexer's top-k among those.
 Prefill always starts at position 0 (no chunked prefill, no prefix reuse).
 Decode takes the same number of new tokens per sequence: 1, or k + 1 when verifying NextN drafts
-(decode_attn_sparse with s_q = k + 1); a speculative forward journals the compressor states so that
+(sparse_mla_decode with s_q = k + 1); a speculative forward journals the compressor states so that
 `rollback` can drop the rejected tail. NextNRuntime runs the NextN (MTP) drafter layer.
 """
 
@@ -28,13 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from engine import ops
-from engine.h20_ops.attention import dispatch
-from engine.h20_ops.attention.entry import decode_attn_sparse, decode_attn_sparse_paged_fp8, prefill_attn_varlen_sparse
+from engine.h20_ops import sparse_mla_decode, sparse_mla_prefill
 from engine.kv_store import PagedRows, RequestState
+from engine.model.decode_metadata import DecodeMetadata, build_decode_metadata
+from engine.model.layer_types import CSA, HCA, SLIDING
 
-SLIDING = "sliding_attention"
-CSA = "compressed_sparse_attention"
-HCA = "heavily_compressed_attention"
 
 
 @dataclass
@@ -92,10 +93,11 @@ class DeepseekV4Runtime:
         collapse, before the final norm: what the NextN layer takes).
         speculative: journal the compressor states so that `rollback` can drop trailing tokens."""
         self.journal = {s.state.rid: [] for s in seqs} if speculative else None
+        meta = None if prefill else build_decode_metadata(self, seqs)
         hidden = self.model.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         rope = self.rope_tables(positions, hidden.dtype)
         for layer_idx, layer in enumerate(self.model.layers):
-            hidden = self.decoder_layer(layer_idx, layer, hidden, input_ids, positions, seqs, rope, prefill)
+            hidden = self.decoder_layer(layer_idx, layer, hidden, input_ids, positions, seqs, rope, meta)
         return self.head(self.model.hc_head, self.model.norm.weight, hidden, seqs, all_logits, all_hidden)
 
     def head(self, hc_head, norm_weight, hidden, seqs, all_logits: bool, all_hidden: bool):
@@ -113,12 +115,13 @@ class DeepseekV4Runtime:
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
         return {kind: self._cos_sin(positions, kind, dtype) for kind in ("main", "compress")}
 
-    def decoder_layer(self, layer_idx, layer, hidden, input_ids, positions, seqs, rope, prefill):
-        """One DeepSeek-V4 decoder layer on [T, hc, hidden]; layer_idx addresses the KV stores."""
+    def decoder_layer(self, layer_idx, layer, hidden, input_ids, positions, seqs, rope, meta: DecodeMetadata | None):
+        """One DeepSeek-V4 decoder layer on [T, hc, hidden]; layer_idx addresses the KV stores; meta: the
+        step's decode metadata (None: a prefill step)."""
         dtype = hidden.dtype
         post, comb, collapsed = self._hyper_connection(layer.attn_hc, hidden)
         x = ops.rms_norm(collapsed, layer.input_layernorm.weight, self.eps)
-        attn_out = self._attention(layer_idx, layer.self_attn, x, positions, seqs, rope, prefill)
+        attn_out = self._attention(layer_idx, layer.self_attn, x, positions, seqs, rope, meta)
         hidden = post.to(dtype).unsqueeze(-1) * attn_out.unsqueeze(-2) + torch.matmul(
             comb.to(dtype).transpose(-1, -2), hidden)
         post, comb, collapsed = self._hyper_connection(layer.ffn_hc, hidden)
@@ -176,8 +179,9 @@ class DeepseekV4Runtime:
         return (pre.unsqueeze(-1) * hidden).sum(dim=1).to(hidden.dtype)
 
     # -- attention ------------------------------------------------------------------------
-    def _attention(self, layer_idx, attn, x, positions, seqs, rope, prefill):
+    def _attention(self, layer_idx, attn, x, positions, seqs, rope, meta: DecodeMetadata | None):
         total = x.size(0)
+        prefill = meta is None
         cos, sin = rope[attn.rope_layer_type]
         q_residual = ops.rms_norm(attn.q_a_proj(x), attn.q_a_norm.weight, self.eps)
         q = attn.q_b_proj(q_residual).view(total, self.heads, self.head_dim)
@@ -185,19 +189,22 @@ class DeepseekV4Runtime:
         kv = ops.rope(ops.rms_norm(attn.kv_proj(x), attn.kv_norm.weight, self.eps), cos, sin)  # [T, D]
 
         window = self.stores.window
-        for s in seqs:  # keep the rows the next decode steps need: the last W - 1 (+ this one)
-            keep = min(s.length, self.window)
-            first = s.start + s.length - keep
-            window.write(layer_idx, s.state.rid, first, kv[s.offset + s.length - keep: s.offset + s.length])
+        if prefill:
+            for s in seqs:  # keep the rows the next decode steps need: the last W - 1 (+ this one)
+                keep = min(s.length, self.window)
+                first = s.start + s.length - keep
+                window.write(layer_idx, s.state.rid, first, kv[s.offset + s.length - keep: s.offset + s.length])
+        else:
+            window.write_at(layer_idx, meta.window_write_slots, kv)
 
         entries = selections = None
         if attn.layer_type != SLIDING:
-            entries, selections = self._compress(layer_idx, attn, x, q_residual, positions, seqs, prefill)
+            entries, selections = self._compress(layer_idx, attn, x, q_residual, positions, seqs, meta)
 
         if prefill:
             out = self._prefill_attention(layer_idx, attn, q, kv, seqs, entries, selections)
         else:
-            out = self._decode_attention(layer_idx, attn, q, seqs, selections)
+            out = self._decode_attention(layer_idx, attn, q, meta, selections)
         out = ops.rope(out, cos, sin, inverse=True)
         grouped = attn.o_a_proj(out.reshape(total, self.config.o_groups, -1)).flatten(1)
         return attn.o_b_proj(grouped)
@@ -205,12 +212,14 @@ class DeepseekV4Runtime:
     def _compressed_store(self, layer_type: str) -> PagedRows:
         return self.stores.csa if layer_type == CSA else self.stores.hca
 
-    def _compress(self, layer_idx, attn, x, q_residual, positions, seqs, prefill):
+    def _compress(self, layer_idx, attn, x, q_residual, positions, seqs, meta: DecodeMetadata | None):
         """Advance the layer's compressor (and indexer) by this step's tokens; store new entries.
 
-        Returns (entries, selections): per sequence, all its compressed entries so far [n_e, D]
-        (prefill only, None in decode) and the entries each new token attends to, [length, k]
-        entry ids with -1 for none (HCA: every complete entry; CSA: the indexer's top-k)."""
+        Returns (entries, selections). Prefill (meta None): per sequence all its compressed entries so far
+        [n_e, D] and the entries each token attends to, [length, k] entry ids with -1 for none (HCA: every
+        complete entry; CSA: the indexer's top-k). Decode: (None, the indexer's choices [B, s_q,
+        meta.csa_topk] entry ids for CSA, None for HCA: the step's metadata lists its entries)."""
+        prefill = meta is None
         comp = attn.compressor
         kind = attn.layer_type
         ratio = self.ratio[kind]
@@ -218,24 +227,32 @@ class DeepseekV4Runtime:
         slot = self.store_slot[layer_idx]
         kv_all, gate_all = comp.kv_proj(x), comp.gate_proj(x)
         entries, selections = [], []
-        for s in seqs:
+        chosen = None
+        if not prefill and kind == CSA:
+            chosen = torch.full((meta.batch, meta.s_q, meta.csa_topk), -1, dtype=torch.long, device=x.device)
+        for b, s in enumerate(seqs):
             rows = slice(s.offset, s.offset + s.length)
             first_entry, n_entries, new = self._advance(
                 s, layer_idx, "compressor", store, slot, kv_all[rows], gate_all[rows], comp.position_bias,
                 comp.kv_norm.weight, ratio, self.head_dim, overlap=kind == CSA)
             visible = (positions[rows] + 1) // ratio  # entries w < visible[t] are complete for token t
             if kind == CSA:
-                chosen = self._index(layer_idx, comp.indexer, x[rows], q_residual[rows], positions[rows], s,
-                                     visible, prefill)
-            else:
+                top = self._index(layer_idx, comp.indexer, x[rows], q_residual[rows], positions[rows], s, visible,
+                                  prefill)
+                if prefill:
+                    selections.append(top)
+                else:
+                    chosen[b, :, : top.size(1)] = top
+            elif prefill:
                 ids = torch.arange(n_entries, device=x.device)[None, :]
-                chosen = torch.where(ids < visible[:, None], ids, -1)
-            selections.append(chosen)
+                selections.append(torch.where(ids < visible[:, None], ids, -1))
             if prefill:  # the workspace needs every entry as stored (fp8: the quantization round trip)
                 if first_entry != 0:
                     raise ValueError(f"request {s.state.rid!r}: prefill must start from an empty compressor")
                 entries.append(store.roundtrip(new))
-        return (entries if prefill else None), selections
+        if prefill:
+            return entries, selections
+        return None, chosen
 
     def _pool(self, state, kv, gate, position_bias, norm_weight, ratio, head_dim, *, overlap):
         """transformers' compressor step: buffer tokens until windows of `ratio` close, then pool
@@ -344,74 +361,28 @@ class DeepseekV4Runtime:
         index_length = (index >= 0).sum(dim=1)
         index = index[:, : int(index_length.max())].to(torch.int32).contiguous()
         workspace = torch.cat(parts).to(q.dtype).unsqueeze(1)
-        return prefill_attn_varlen_sparse(q, workspace, index, attn.scaling, attn_sink=attn.sinks.detach(),
-                                          index_length=index_length.to(torch.int32))
+        return sparse_mla_prefill(q, workspace, index, attn.scaling, attn_sink=attn.sinks.detach(),
+                                  topk_length=index_length.to(torch.int32)).out
 
-    def _decode_attention(self, layer_idx, attn, q, seqs, selections):
-        """One decode buffer [B, W' + s_q * E, 1, D]: window rows first (the adapter views the buffer
-        as one kv tensor, no copy), then per query the compressed entries it attends to. Every
-        sequence brings s_q new tokens (1, or k + 1 when verifying drafts); query j of a sequence
-        sees the W window positions ending at its own position."""
-        device = q.device
-        batch = len(seqs)
-        s_q = seqs[0].length
-        if any(s.length != s_q for s in seqs):
-            raise ValueError(f"seqs: decode needs the same number of new tokens per sequence, got "
-                             f"{[s.length for s in seqs]}")
+    def _decode_attention(self, layer_idx, attn, q, meta: DecodeMetadata, selections):
+        """The sliding window as main cache, the layer type's compressed store as extra cache, one call.
+        GPU ops only: the slot lists come from the step's metadata; a ratio-4 layer maps its indexer's
+        choices (entry ids, -1 for none) to slots through the step's entry slot table."""
+        layer_type = attn.layer_type
         window = self.stores.window
-        e_width = max(sel.size(1) for sel in selections) if selections else 0
-        # Window rows: those of the batch's queries, fewer while every sequence is short.
-        width = min(self.window + s_q - 1, max(s.start + s_q for s in seqs))
-        topk = min(self.window, width)
-        window_slots = torch.full((batch, width), -1, dtype=torch.long)
-        firsts = []  # per sequence: the position of its window row 0
-        for b, s in enumerate(seqs):
-            last = s.start + s_q - 1
-            n = min(last + 1, width)
-            firsts.append(last - n + 1)
-            window_slots[b, :n] = window.slots(s.state.rid, torch.arange(last - n + 1, last + 1))
-        window_slots = window_slots.to(device)
-        # Query j at position p reads window rows of positions max(0, p - W + 1) .. p, -1 after.
-        pos = torch.tensor([s.start for s in seqs])[:, None] + torch.arange(s_q)[None, :]  # [B, s_q]
-        lo = (pos - self.window + 1).clamp(min=0)
-        col = torch.arange(topk)[None, None, :]
-        indices = torch.where(col < (pos + 1 - lo)[..., None], (lo - torch.tensor(firsts)[:, None])[..., None] + col, -1)
-        indices = indices.to(torch.int32).to(device)
-        extra_store = entry_slots = extra_indices = None
-        if e_width > 0:
-            extra_store = self._compressed_store(attn.layer_type)
-            # Extra column j * E + c of request b holds query j's c-th choice; unchosen ones are -1.
-            chosen = torch.full((batch, s_q, e_width), -1, dtype=torch.long)
-            for b, sel in enumerate(selections):
-                chosen[b, :, : sel.size(1)] = sel.cpu()
-            chosen = chosen.view(batch, s_q * e_width)
-            entry_slots = torch.full((batch, s_q * e_width), -1, dtype=torch.long)
-            for b, s in enumerate(seqs):
-                valid = chosen[b] >= 0
-                entry_slots[b, valid] = extra_store.slots(s.state.rid, chosen[b, valid])
-            entry_slots = entry_slots.to(device)
-            columns = torch.arange(s_q * e_width, dtype=torch.long).expand(batch, -1)
-            extra_indices = torch.where(chosen >= 0, columns, -1).view(batch, s_q, e_width).to(torch.int32).to(device)
-        q4 = q.reshape(batch, s_q, *q.shape[1:])
-        if window.fp8 and dispatch.paged_fp8_supported():
-            # The kernel reads the fp8 rows of both stores itself: no bf16 decode buffer (as fast or
-            # faster than gather_dequant + the bf16 kernel from batch 1 to 128 on an H200, docs/decode.md).
-            extra = {}
-            if e_width > 0:
-                extra = dict(extra_cache=extra_store.layers[self.store_slot[layer_idx]], extra_slots=entry_slots,
-                             extra_indices=extra_indices)
-            out, _lse = decode_attn_sparse_paged_fp8(q4, window.layers[layer_idx], window_slots, indices,
-                                                     attn.scaling, attn_sink=attn.sinks.detach(), **extra)
-            return out.flatten(0, 1)
-        buf = torch.empty((batch, width + s_q * e_width, 1, self.head_dim), dtype=q.dtype, device=device)
-        window.gather(layer_idx, window_slots, buf[:, :width])
         extra = {}
-        if e_width > 0:
-            extra_store.gather(self.store_slot[layer_idx], entry_slots, buf[:, width:])
-            extra = dict(extra_kv_windows=buf[:, width:], extra_indices=extra_indices)
-        out, _lse = decode_attn_sparse(q4, buf[:, :width], indices, attn.scaling, attn_sink=attn.sinks.detach(),
-                                       **extra)
-        return out.flatten(0, 1)
+        extra_indices = None
+        if layer_type == CSA and meta.csa_topk:
+            extra_indices = meta.csa_slots(selections)
+        elif layer_type == HCA:
+            extra_indices = meta.hca_indices
+        if extra_indices is not None:
+            store = self._compressed_store(layer_type)
+            extra = dict(extra_cache=store.cache(self.store_slot[layer_idx]), extra_indices=extra_indices)
+        q4 = q.view(meta.batch, meta.s_q, *q.shape[1:])
+        res = sparse_mla_decode(q4, window.cache(layer_idx), meta.window_indices, attn.scaling,
+                                plan=meta.plans[layer_type], attn_sink=attn.sinks.detach(), **extra)
+        return res.out.flatten(0, 1)
 
 
 class NextNRuntime:
@@ -436,5 +407,6 @@ class NextNRuntime:
         x = layer.eh_proj(torch.cat([embeds, ops.rms_norm(hidden, layer.hnorm.weight, eps)], dim=-1))
         streams = x.unsqueeze(1).expand(-1, self.main.config.hc_mult, -1).contiguous()
         rope = self.runtime.rope_tables(positions, x.dtype)
-        streams = self.runtime.decoder_layer(0, layer.layer, streams, input_ids, positions, seqs, rope, prefill)
+        meta = None if prefill else build_decode_metadata(self.runtime, seqs)
+        streams = self.runtime.decoder_layer(0, layer.layer, streams, input_ids, positions, seqs, rope, meta)
         return self.runtime.head(layer.hc_head, layer.norm.weight, streams, seqs, True, True)

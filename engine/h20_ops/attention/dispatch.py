@@ -1,105 +1,249 @@
-"""The sparse MLA dispatcher: chooses the backend once per process and adapts its conventions.
+"""The sparse MLA dispatcher: every kernel choice of the attention subsystem is made here, visibly.
 
-Backends: `tilelang` (engine.h20_ops.attention.tilelang_sm90, base-2 lse), `triton`
-(engine.h20_ops.vendor.flashmla_sparse, FlashMLA contract, natural-log lse) and `ref` (the float32
-oracle). DEEPINFER_SPARSE_MLA_BACKEND picks one; unset means auto (engine.h20_ops.backend_select:
-tilelang if its kernel module imports, else triton; triton without CUDA).
+Choices (each logged once per process with its reason, and listed by `kernel_choices()` for reports):
+  - the backend, once per process: DEEPINFER_SPARSE_MLA_BACKEND (tilelang, triton, ref) or auto
+    (engine.h20_ops.backend_select: tilelang where its kernel module imports and the GPU is an SM90,
+    else triton; triton without CUDA);
+  - the prefill kernel of a call: `tilelang_sm90` (attention/tilelang_sm90.py), `triton_gluon_sm90`
+    (vendor/flashmla_sparse_gluon_sm90.py: bf16 on SM90 with 16-byte aligned rows), `triton_portable`
+    (vendor/flashmla_sparse.py: float32, other GPUs, the CPU interpreter, rows the Gluon kernel cannot
+    read) or `ref` (the float32 oracle);
+  - the kernel of a prefill call that also returns max_logits and natural-log lse (FlashMLA's
+    flash_mla_sparse_fwd, engine.h20_ops.flash_mla): a Triton kernel (or `ref`), which produces both
+    itself; tilelang_sm90 produces neither (base-2 lse, no max_logits), so the tilelang backend runs the
+    Triton kernel for these calls (the choice says so);
+  - the decode path of a call (attention/decode.py): `paged_fp8` (a kernel reads the paged fp8 caches
+    itself), `gathered` (the rows of both caches are gathered, dequantized if fp8, into one buffer for the
+    prefill kernel) or `direct` (one dense cache: the prefill kernel reads it in place).
 
-`sparse_mla_fwd` returns (out in q's dtype, lse in base 2) whichever backend ran; q is bf16 (or fp32
-with `triton` and `ref`).
+Conventions adapted here: every backend returns (out in q's dtype, lse fp32 in BASE 2); the Triton
+kernels produce natural-log lse (FlashMLA's contract), converted by one multiply.
+Arguments reach these functions validated (attention/prefill.py, attention/decode.py: the public boundary).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
+from dataclasses import dataclass
 
 import torch
 
 from ... import config
 from ..backend_select import BackendSelector, TileLangUnavailableError  # noqa: F401 (re-export)
-from ..backend_select import import_tilelang_module_or_explain
-from ..checks import check_sparse_mla_args
+from ..backend_select import dp_rank_suffix, import_tilelang_module_or_explain
+from ..platform import cuda_capability, triton_interprets
+
+log = logging.getLogger(__name__)
 
 LOG2E = 1.0 / math.log(2.0)  # natural log -> base 2: multiply by log2(e) = 1.4427
-TILELANG_KERNEL_MODULE = f"{__package__}.tilelang_sm90"  # relative: the kernel repo renames the package
+# relative to this package: the kernel repository imports the engine under another package name
+TILELANG_KERNEL_MODULE = f"{__package__}.tilelang_sm90"
 TILELANG_PAGED_FP8_MODULE = f"{__package__}.tilelang_sm90_paged_fp8"
+BACKENDS = ("ref", "triton", "tilelang")
+# q dtypes each backend's kernels are built for (the TileLang kernels: bf16 only)
+Q_DTYPES = {"ref": (torch.bfloat16, torch.float32), "triton": (torch.bfloat16, torch.float32),
+            "tilelang": (torch.bfloat16,)}
+Q_DTYPE_NOTES = {"tilelang": "the tilelang backend's kernels are bf16 only; DEEPINFER_SPARSE_MLA_BACKEND=triton "
+                             "runs float32"}
 
 _selector = BackendSelector("sparse MLA", TILELANG_KERNEL_MODULE, config.sparse_mla_backend,
                             config.SPARSE_MLA_BACKEND.name)
 backend_resolution = _selector.resolution
-reset_resolution_for_tests = _selector.reset_for_tests
 
 
 def resolve_backend() -> str:
     return backend_resolution().backend
 
 
-def _run_ref(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
-    from .reference import sparse_mla_prefill_ref
-
-    res = sparse_mla_prefill_ref(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
-    return res.out.to(q.dtype), res.lse * LOG2E
-
-
-def _run_triton(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
-    from ..vendor.flashmla_sparse import flash_mla_sparse_fwd
-
-    out, _max_logits, lse_natural = flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
-    return out, lse_natural * LOG2E  # +inf (empty rows) stays +inf
-
-
-def _run_tilelang(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
-    module = import_tilelang_module_or_explain(TILELANG_KERNEL_MODULE, "sparse MLA backend 'tilelang'")
-    return module.sparse_mla_fwd_sm90(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
-
-
-_BACKENDS = {"ref": _run_ref, "triton": _run_triton, "tilelang": _run_tilelang}
-_Q_DTYPES = {"ref": (torch.bfloat16, torch.float32), "triton": (torch.bfloat16, torch.float32),
-             "tilelang": (torch.bfloat16,)}  # the TileLang kernels are built for bf16 only
-_Q_DTYPE_NOTES = {"tilelang": "the tilelang backend's kernels are bf16 only; DEEPINFER_SPARSE_MLA_BACKEND=triton "
-                              "runs float32"}
-
-
-def _backend(backend: str | None) -> str:
+def backend_of(backend: str | None) -> str:
     """An explicit backend, validated, or the process's resolution."""
     if backend is None:
         return resolve_backend()
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend: expected one of {', '.join(_BACKENDS)} or None, got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)} or None, got {backend!r}")
     return backend
 
 
-def sparse_mla_fwd(q, kv, indices, sm_scale, *, d_v: int = 512, attn_sink=None, topk_length=None,
-                   backend: str | None = None, arg_names: dict[str, str] | None = None):
-    """Sparse MLA forward. q [s_q, h_q, d_qk]; kv [s_kv, 1, d_qk]; indices [s_q, topk] (or
-    [s_q, 1, topk]) int32, absolute rows of kv, any out-of-range value invalid; attn_sink [h_q] fp32;
-    topk_length [s_q] int32. Returns (out [s_q, h_q, d_v] in q's dtype, lse [s_q, h_q] fp32 base 2).
-    arg_names: an entry point's names for these arguments, used in the errors of the checks."""
-    backend = _backend(backend)
-    _, indices = check_sparse_mla_args(
-        q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
-        q_dtypes=_Q_DTYPES[backend], q_dtype_note=_Q_DTYPE_NOTES.get(backend), limit_shapes=backend != "ref",
-        names=arg_names)
-    return _BACKENDS[backend](q, kv, indices, float(sm_scale), d_v, attn_sink, topk_length)
+@dataclass(frozen=True)
+class KernelChoice:
+    op: str  # "prefill" or "decode"
+    kernel: str  # the prefill kernel, or for decode "<path>: <kernel>"
+    reason: str
 
 
-def paged_fp8_supported(backend: str | None = None) -> bool:
-    """Whether the backend has a kernel reading paged fp8 MODEL1 caches directly (TileLang only: the
-    others attend over rows that kv_cache.gather_dequant wrote into a bf16 buffer first)."""
-    return _backend(backend) == "tilelang"
+_choices_lock = threading.Lock()
+_choices: dict[KernelChoice, None] = {}  # insertion-ordered set of the choices made in this process
 
 
-def sparse_mla_paged_fp8_fwd(q, cache0, cache1, slot_indices, sm_scale, *, attn_sink=None, topk_length=None,
-                             backend: str | None = None, cache_names: tuple[str, str] = ("cache0", "cache1")):
-    """Sparse MLA forward over two paged fp8 MODEL1 caches (engine.h20_ops.attention.tilelang_sm90_paged_fp8).
-    q [s_q, h_q, 512] bf16; cache0, cache1 (or None) [num_blocks, block_size, 1, 584] uint8;
-    slot_indices [s_q, topk] int32: s < n_slots0 is cache0's slot s, n_slots0 <= s < n_slots0 + n_slots1
-    cache1's slot s - n_slots0, anything else invalid. Returns (out [s_q, h_q, 512] bf16, lse base 2).
-    cache_names: an entry point's names for cache0 and cache1, used in the errors of the checks."""
-    backend = _backend(backend)
-    if not paged_fp8_supported(backend):
-        raise ValueError(f"backend: the paged fp8 kernel exists for tilelang only, got {backend!r} "
-                         "(gather the rows with kv_cache.gather_dequant and call sparse_mla_fwd)")
+def _record(choice: KernelChoice) -> KernelChoice:
+    with _choices_lock:
+        if choice not in _choices:
+            _choices[choice] = None
+            log.warning("sparse MLA %s kernel: %s (%s)%s", choice.op, choice.kernel, choice.reason, dp_rank_suffix())
+    return choice
+
+
+def kernel_choices() -> list[dict[str, str]]:
+    """Every distinct choice made in this process, in order: [{op, kernel, reason}]."""
+    with _choices_lock:
+        return [dict(op=c.op, kernel=c.kernel, reason=c.reason) for c in _choices]
+
+
+def reset_resolution_for_tests() -> None:
+    """Forget the backend resolution and the recorded kernel choices (tests)."""
+    _selector.reset_for_tests()
+    with _choices_lock:
+        _choices.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill kernels
+# ---------------------------------------------------------------------------------------------
+
+def _gluon_unsupported(q: torch.Tensor, kv: torch.Tensor) -> str | None:
+    """Why the Gluon SM90 kernel cannot take (q, kv), or None: it is built for bf16 on an SM90 GPU and
+    reads rows by 16-byte cp.async, which needs 16-byte aligned q / kv pointers and row strides that are
+    multiples of 16 elements (Triton's JIT specializes on that; without it the kernel does not compile)."""
+    if triton_interprets() or not q.is_cuda:
+        return "Triton's interpreter (no CUDA device)"
+    if q.dtype != torch.bfloat16:
+        return f"q is {str(q.dtype).removeprefix('torch.')} (the Gluon kernel is bf16 only)"
+    capability = cuda_capability(q.device)
+    if capability != (9, 0):
+        return f"GPU sm_{capability[0]}{capability[1]} is not SM90"
+    strides = (q.stride(0), q.stride(1), kv.stride(0))
+    if any(s % 16 for s in strides) or q.data_ptr() % 16 or kv.data_ptr() % 16:
+        return (f"q / kv rows not 16-byte aligned (row strides {strides} elements, data_ptr % 16 = "
+                f"{q.data_ptr() % 16} / {kv.data_ptr() % 16}): ~1.5x slower")
+    return None
+
+
+def prefill_kernel(q: torch.Tensor, kv: torch.Tensor, backend: str | None = None) -> KernelChoice:
+    """The kernel that runs sparse MLA prefill on (q, kv) with `backend` (None: the process's)."""
+    backend = backend_of(backend)
+    if backend in ("ref", "tilelang"):
+        reason = (backend_resolution().reason if backend == resolve_backend() else f"backend={backend!r}")
+        return _record(KernelChoice("prefill", "ref" if backend == "ref" else "tilelang_sm90", reason))
+    unsupported = _gluon_unsupported(q, kv)
+    if unsupported is None:
+        return _record(KernelChoice("prefill", "triton_gluon_sm90", "bf16 on SM90, 16-byte aligned rows"))
+    return _record(KernelChoice("prefill", "triton_portable", unsupported))
+
+
+_TRITON_PREFILL_KERNELS = {"triton_gluon_sm90": "gluon_sm90", "triton_portable": "portable"}
+
+
+def run_prefill_kernel(kernel: str, q, kv, indices, sm_scale: float, d_v: int, attn_sink, topk_length,
+                       out: torch.Tensor | None = None):
+    """Runs one prefill kernel on validated arguments -> (out in q's dtype, lse fp32 base 2). out: a
+    validated contiguous [s_q, h_q, d_v] buffer for the output (the Triton kernels write it; the
+    TileLang kernel and the oracle allocate their own, copied into it), None: a new one."""
+    if kernel == "ref":
+        from .reference import sparse_mla_prefill_ref
+
+        res = sparse_mla_prefill_ref(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+        return _into(out, res.out.to(q.dtype)), res.lse * LOG2E
+    if kernel == "tilelang_sm90":
+        module = import_tilelang_module_or_explain(TILELANG_KERNEL_MODULE, "sparse MLA backend 'tilelang'")
+        kernel_out, lse = module.sparse_mla_fwd_sm90(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+        return _into(out, kernel_out), lse
+    from ..vendor.flashmla_sparse import flash_mla_sparse_fwd
+
+    out, _max_logits, lse_natural = flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
+                                                         kernel=_TRITON_PREFILL_KERNELS[kernel], out=out)
+    return out, lse_natural * LOG2E  # +inf (empty rows) stays +inf
+
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """result, or result copied into the caller's buffer `out` (a kernel without an output argument)."""
+    return result if out is None else out.copy_(result)
+
+
+def prefill_kernel_with_max_logits(q: torch.Tensor, kv: torch.Tensor, backend: str | None = None) -> KernelChoice:
+    """The kernel of a prefill call that returns max_logits and natural-log lse besides out (module
+    header): the Triton kernel prefill_kernel would choose with the triton backend, or `ref`."""
+    backend = backend_of(backend)
+    if backend == "ref":
+        return prefill_kernel(q, kv, "ref")
+    why = "" if backend == "triton" else "; max_logits asked for: tilelang_sm90 does not produce it"
+    unsupported = _gluon_unsupported(q, kv)
+    if unsupported is None:
+        return _record(KernelChoice("prefill", "triton_gluon_sm90", "bf16 on SM90, 16-byte aligned rows" + why))
+    return _record(KernelChoice("prefill", "triton_portable", unsupported + why))
+
+
+def run_prefill_kernel_with_max_logits(kernel: str, q, kv, indices, sm_scale: float, d_v: int, attn_sink,
+                                       topk_length, out: torch.Tensor | None = None):
+    """Runs a kernel of prefill_kernel_with_max_logits on validated arguments -> (out in q's dtype,
+    max_logits fp32, lse fp32 NATURAL log), as the kernel produces them (no conversion); out as in
+    run_prefill_kernel (the Triton kernels write it in place)."""
+    if kernel == "ref":
+        from .reference import sparse_mla_prefill_ref
+
+        res = sparse_mla_prefill_ref(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+        return _into(out, res.out.to(q.dtype)), res.max_logits, res.lse
+    if kernel not in _TRITON_PREFILL_KERNELS:
+        raise ValueError(f"kernel: {kernel!r} does not produce max_logits; expected one of "
+                         f"{', '.join(['ref', *_TRITON_PREFILL_KERNELS])}")
+    from ..vendor.flashmla_sparse import flash_mla_sparse_fwd
+
+    return flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
+                                kernel=_TRITON_PREFILL_KERNELS[kernel], out=out)
+
+
+# ---------------------------------------------------------------------------------------------
+# decode paths
+# ---------------------------------------------------------------------------------------------
+
+PAGED_FP8_KERNELS = {"tilelang": "tilelang_sm90_paged_fp8"}
+
+
+def decode_path(q_dtype: torch.dtype, device: torch.device, fp8_layout, has_extra: bool,
+                backend: str | None = None) -> KernelChoice:
+    """The decode path for caches of `fp8_layout` (kv_cache.MODEL1 / V32, or None for dense rows in q's
+    dtype; the paged fp8 kernel takes either layout and each cache's own page size)."""
+    backend = backend_of(backend)
+    if fp8_layout is None:
+        if not has_extra:
+            return _record(KernelChoice("decode", f"direct: {_buffer_kernel(q_dtype, device, backend)}",
+                                        "one dense cache, read in place"))
+        return _record(KernelChoice("decode", f"gathered: {_buffer_kernel(q_dtype, device, backend)}",
+                                    "two dense caches: rows gathered into one buffer"))
+    paged = PAGED_FP8_KERNELS.get(backend)
+    if paged is not None and q_dtype == torch.bfloat16:
+        return _record(KernelChoice("decode", f"paged_fp8: {paged}",
+                                    f"backend {backend}, {fp8_layout.name} fp8 caches"))
+    if paged is None:
+        why = f"backend {backend} has no paged fp8 kernel"
+    else:
+        why = f"{paged} is bf16 only, q is {str(q_dtype).removeprefix('torch.')}"
+    return _record(KernelChoice("decode", f"gathered: {_buffer_kernel(q_dtype, device, backend)}",
+                                f"fp8 rows dequantized into a buffer: {why}"))
+
+
+def _buffer_kernel(q_dtype: torch.dtype, device: torch.device, backend: str) -> str:
+    """The prefill kernel that attends over a decode buffer or a dense cache (rows 16-byte aligned: the
+    engine's caches and buffers are torch allocations of 512- or 576-element rows)."""
+    if backend == "ref":
+        return "ref"
+    if backend == "tilelang":
+        return "tilelang_sm90"
+    gluon = (not triton_interprets() and q_dtype == torch.bfloat16 and device.type == "cuda"
+             and cuda_capability(device) == (9, 0))
+    return "triton_gluon_sm90" if gluon else "triton_portable"
+
+
+def run_paged_fp8_kernel(kernel: str, q, cache0, cache1, slot_indices, sm_scale: float, attn_sink, topk_length,
+                         cache_names: tuple[str, str], out: torch.Tensor | None = None):
+    """One paged fp8 kernel launch on validated arguments -> (out bf16, lse fp32 base 2). out: a validated
+    contiguous buffer for the output (the TileLang kernel allocates its own, copied into it), None: a new one."""
+    if kernel != "tilelang_sm90_paged_fp8":
+        raise ValueError(f"kernel: no paged fp8 kernel named {kernel!r}")
     module = import_tilelang_module_or_explain(TILELANG_PAGED_FP8_MODULE, "sparse MLA backend 'tilelang'")
-    return module.sparse_mla_fwd_sm90_paged_fp8(q, cache0, cache1, slot_indices, float(sm_scale),
-                                                attn_sink=attn_sink, topk_length=topk_length, cache_names=cache_names)
+    kernel_out, lse = module.sparse_mla_fwd_sm90_paged_fp8(q, cache0, cache1, slot_indices, sm_scale,
+                                                           attn_sink=attn_sink, topk_length=topk_length,
+                                                           cache_names=cache_names)
+    return _into(out, kernel_out), lse

@@ -1,14 +1,14 @@
 """The float32 reference (oracle) for sparse MLA: every backend and adapter is tested against it.
 
-Semantics (../shared/reference/sparse_mla_contract.md; FlashMLA's current contract):
+Semantics (docs/contract.md; FlashMLA's current contract):
   - entry j of row i is valid iff 0 <= idx[i, j] < s_kv and (if given) j < topk_length[i];
     invalid entries are masked and never dereferenced; duplicates count once per occurrence;
   - P = q_i . kv[idx]^T * sm_scale (fp32), invalid -> -inf; lse = logsumexp(P) (natural log);
     max_logits = max(P); out = softmax(P) @ kv[idx, :d_v];
   - sink s [h_q]: out *= 1 / (1 + exp(s - lse)); it never changes lse or max_logits;
   - a row with no valid entry: out = 0, max_logits = -inf, lse = +inf.
-Decode is the same per (request, query token) over the union of a main and an optional extra cache:
-one softmax, the sink applied once.
+Decode is the same per (request, query token) over the union of a main and an optional extra cache
+(entries are slot ids of each cache): one softmax, the sink applied once.
 
 Readable first: it runs on CPU or GPU, in chunks of query rows to bound memory.
 """
@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..checks import check_decode_args, check_sparse_mla_args, require_tensor
+from ..checks import check_decode_list, check_sink, check_sparse_mla_args, require_tensor
 
 _ROWS_PER_CHUNK = 64
 
@@ -95,25 +95,40 @@ def sparse_mla_prefill_ref(q, kv, indices, sm_scale, d_v: int = 512, attn_sink=N
 
 def sparse_mla_decode_ref(q, kv, indices, sm_scale, d_v: int = 512, attn_sink=None, topk_length=None,
                           extra_kv=None, extra_indices=None, extra_topk_length=None) -> RefResult:
-    """Per-request caches: q [B, s_q, h_q, d]; kv [B, N, 1, d] with request-local indices
-    [B, s_q, topk]; optional extra cache extra_kv [B, E, 1, d] with extra_indices [B, s_q, etopk].
-    topk_length / extra_topk_length are per request [B]. One softmax over the union of both."""
+    """Decode over flat caches: q [B, s_q, h_q, d]; kv [n_slots, 1, d] (a cache's rows, dequantized if it
+    is fp8) with indices [B, s_q, topk] slot ids, valid iff 0 <= id < n_slots and position <
+    topk_length[b]; optional extra cache extra_kv [n_slots1, 1, d] with extra_indices [B, s_q, etopk] and
+    extra_topk_length [B], attended in the SAME softmax (the sink applied once). Returns out
+    [B, s_q, h_q, d_v], max_logits and lse [B, s_q, h_q] (natural log)."""
     require_tensor("q", q, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=4)
-    check_decode_args(q, kv, indices, attn_sink, topk_length, extra_kv, extra_indices, extra_topk_length)
-    b, s_q = q.shape[:2]
-    if b == 0:
-        raise ValueError(f"q: expected at least one request, got shape {tuple(q.shape)}")
+    if q.size(0) == 0 or q.size(1) == 0:
+        raise ValueError(f"q: expected at least one request and one query token, got shape {tuple(q.shape)}")
+    b, s_q, h_q, d = q.shape
+    require_tensor("kv", kv, dtypes=(q.dtype, torch.float32), ndim=3)
+    if kv.size(1) != 1 or kv.size(2) != d:
+        raise ValueError(f"kv: expected shape [n_slots, 1, {d}], got {tuple(kv.shape)}")
+    check_decode_list("indices", indices, "topk_length", topk_length, q)
+    if (extra_kv is None) != (extra_indices is None):
+        raise ValueError("extra_kv and extra_indices: pass both or neither")
+    if extra_kv is not None:
+        require_tensor("extra_kv", extra_kv, dtypes=(q.dtype, torch.float32), ndim=3)
+        if extra_kv.size(1) != 1 or extra_kv.size(2) != d:
+            raise ValueError(f"extra_kv: expected shape [n_slots, 1, {d}], got {tuple(extra_kv.shape)}")
+        check_decode_list("extra_indices", extra_indices, "extra_topk_length", extra_topk_length, q)
+    elif extra_topk_length is not None:
+        raise ValueError("extra_topk_length: given without extra_kv / extra_indices")
+    check_sink(attn_sink, h_q)
 
-    def lengths_of(lengths: torch.Tensor | None, r: int) -> torch.Tensor | None:
-        return None if lengths is None else lengths[r].expand(s_q)  # per request -> per query row
+    def per_row(lengths):  # per request [B] -> per query row [B * s_q]
+        return None if lengths is None else lengths.repeat_interleave(s_q)
 
-    results = []
-    for r in range(b):
-        valid = _valid_entries(indices[r], kv.size(1), lengths_of(topk_length, r))
-        keys = _gather(kv[r, :, 0, :], indices[r], valid)
-        if extra_kv is not None:
-            extra_valid = _valid_entries(extra_indices[r], extra_kv.size(1), lengths_of(extra_topk_length, r))
-            keys = torch.cat([keys, _gather(extra_kv[r, :, 0, :], extra_indices[r], extra_valid)], dim=1)
-            valid = torch.cat([valid, extra_valid], dim=1)
-        results.append(_attend(q[r].float(), keys, valid, float(sm_scale), d_v, attn_sink))
-    return RefResult(*(torch.stack(parts) for parts in zip(*results)))
+    rows = indices.reshape(b * s_q, -1)
+    valid = _valid_entries(rows, kv.size(0), per_row(topk_length))
+    keys = _gather(kv[:, 0, :], rows, valid)
+    if extra_kv is not None:
+        extra_rows = extra_indices.reshape(b * s_q, -1)
+        extra_valid = _valid_entries(extra_rows, extra_kv.size(0), per_row(extra_topk_length))
+        keys = torch.cat([keys, _gather(extra_kv[:, 0, :], extra_rows, extra_valid)], dim=1)
+        valid = torch.cat([valid, extra_valid], dim=1)
+    res = _attend(q.reshape(b * s_q, h_q, d).float(), keys, valid, float(sm_scale), d_v, attn_sink)
+    return RefResult(res.out.view(b, s_q, h_q, d_v), res.max_logits.view(b, s_q, h_q), res.lse.view(b, s_q, h_q))

@@ -1,6 +1,6 @@
 """TileLang sparse MLA prefill kernel for Hopper (SM90).
 
-Contract: FlashMLA's sparse prefill (../../../shared/reference/sparse_mla_contract.md) with base-2 lse.
+Contract: FlashMLA's sparse prefill (docs/contract.md, "Prefill") with base-2 lse.
   q [s_q, h_q, d_qk] bf16, kv [s_kv, 1, d_qk] bf16, indices [s_q, topk] int32 (absolute kv rows),
   attn_sink [h_q] fp32 or None, topk_length [s_q] int32 or None
   -> out [s_q, h_q, 512] bf16, lse [s_q, h_q] fp32 in BASE 2 (TileLang's convention).
@@ -33,7 +33,7 @@ to buffer 1 (an odd last block is paired with an all-invalid one).
     through shared memory). Both consumers do the same work, so neither waits long for the other.
     (FlashMLA lets consumer 0 run ahead on its own block's max and rescale its P and O to the pair's
     max afterwards; here the symmetric exchange measured 3-7% faster on the model shapes,
-    docs/tilelang.md.) The row sum is split between the consumers and added at the end.
+    docs/lab/tilelang.md.) The row sum is split between the consumers and added at the end.
   A buffer half is released (`free`) by the last consumer that reads it.
   Epilogue: each consumer writes its O half into buffer 1's half it was the last reader of (stmatrix)
     and one thread stores it with TMA (row-contiguous bulk stores; 4-byte stores from the fragments

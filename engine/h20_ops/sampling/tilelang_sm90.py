@@ -38,7 +38,7 @@ import torch
 
 from .reference import DRAW_ACCEPT, DRAW_SAMPLE, TWO_POW_32
 
-THREADS = 1024  # one CTA per row; its passes run 1.8x faster than with 256 threads (docs/sampling.md)
+THREADS = 1024  # one CTA per row; its passes run 1.8x faster than with 256 threads (docs/lab/sampling.md)
 BLOCK_V = 1024
 LOG2_BLOCK_V = 10
 BISECT_STEPS = 33  # the weight range [0, 2^32] has 2^32 + 1 values

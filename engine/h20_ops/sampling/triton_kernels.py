@@ -10,7 +10,7 @@ operations in the same order as the TileLang kernels (fused_sample_sm90) give th
 Random draws: tl.philox(seed, draw // 4, 0, position lo, position hi), lane draw % 4; equal to
 cuRAND's curand_init(seed, position, draw) + curand() (what TileLang's T.rng_* wrap).
 Cost: no sort. The weight is a non-decreasing function of the logit (exp2 is monotone: checked for
-ex2.approx on SM90 and numpy's exp2, docs/sampling.md), so the top-k threshold is searched over the
+ex2.approx on SM90 and numpy's exp2, docs/lab/sampling.md), so the top-k threshold is searched over the
 row's logit values, bisecting their ordered fp32 bit patterns (16 bits when every logit is a bf16
 value, else 32) with compare-only passes (no exp2), and so is the top-p threshold (a weight pass
 per step) when the keys to search span at most 2^30 (always with bf16 values). One
@@ -32,11 +32,11 @@ from . import reference
 # Under the CPU interpreter every block op is numpy work: a small block keeps tests fast and still
 # exercises the multi-block loops.
 BLOCK_V = 64 if triton_interprets() else 1024
-NUM_WARPS = 16  # one program per row; its passes run 1.4x faster than with 8 warps (docs/sampling.md)
+NUM_WARPS = 16  # one program per row; its passes run 1.4x faster than with 8 warps (docs/lab/sampling.md)
 WEIGHT_END = tl.constexpr(4294967297)  # 2^32 + 1: one past the largest weight
 # top-p searches logit keys when they span at most 2^30 (always so with bf16 values): <= 30 mass passes
 # and a bracket pass against the weight range's 33 and a final mass pass; a wider span (32-bit keys from
-# -inf, or across 0) was measured no faster than bisecting the weights (docs/sampling.md)
+# -inf, or across 0) was measured no faster than bisecting the weights (docs/lab/sampling.md)
 KEY_SPAN_SEARCHED = tl.constexpr(1 << 30)
 DRAW_SAMPLE = tl.constexpr(reference.DRAW_SAMPLE)
 DRAW_ACCEPT = tl.constexpr(reference.DRAW_ACCEPT)

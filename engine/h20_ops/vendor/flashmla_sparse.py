@@ -1,18 +1,19 @@
 """Sparse MLA prefill in pure Triton, implementing FlashMLA's `flash_mla_sparse_fwd` contract.
 
-Two kernels, chosen by dtype, device and layout before launching (never as a fallback after a
-failure): bf16 on an SM90 GPU with 16-byte aligned q / kv pointers and row strides that are multiples
-of 16 elements runs the warp-specialized Gluon kernel of flashmla_sparse_gluon_sm90.py; float32, other GPUs,
-Triton's interpreter (CPU tests) and other layouts (see runs_sm90_kernel) run the portable tl kernel
-below. Both implement the
+Two kernels; the caller names the one to run (the dispatcher, engine.h20_ops.attention.dispatch,
+chooses by dtype, device and layout before launching, never as a fallback after a failure): the
+warp-specialized Gluon kernel of flashmla_sparse_gluon_sm90.py (bf16 on an SM90 GPU with 16-byte
+aligned q / kv pointers and row strides that are multiples of 16 elements), and the portable tl
+kernel below (float32, other GPUs, Triton's interpreter for the CPU tests, any layout). Both implement the
 contract stated here and are tested against the fp32 oracle (tests/test_flashmla_sparse.py; on an SM90
 GPU both kernels). On SM90 both use programmatic dependent launch: they wait for the previous kernel of
 the stream (griddepcontrol.wait) before touching memory, so their launch overlaps that kernel's end.
 
-Contract (FlashMLA since 2026-01; ../shared/reference/sparse_mla_contract.md):
+Contract (FlashMLA since 2026-01; docs/contract.md):
   flash_mla_sparse_fwd(q [s_q, h_q, d_qk], kv [s_kv, 1, d_qk], indices [s_q, 1, topk] or [s_q, topk]
   int32, sm_scale, d_v=512, attn_sink [h_q] fp32 | None, topk_length [s_q] int32 | None)
-  -> (out [s_q, h_q, d_v] in q's dtype, max_logits [s_q, h_q] fp32, lse [s_q, h_q] fp32).
+  -> (out [s_q, h_q, d_v] in q's dtype, max_logits [s_q, h_q] fp32, lse [s_q, h_q] fp32); the caller may
+  pass `out` (contiguous), which the kernel then writes in place.
   Entry j of row i is valid iff 0 <= idx < s_kv and j < topk_length[i]; any other int32 value is a
   filler that is never dereferenced (masked loads; its score is -inf). Duplicates count per occurrence.
   lse is NATURAL log, max_logits in natural scale (sm_scale applied). The sink scales out by
@@ -26,7 +27,7 @@ each of the two warpgroups computes half of a block's Q.K^T columns, and each bl
 loaded one iteration ahead of its gather. tl.dot takes bf16 operands with fp32 accumulators (P is
 rounded to bf16 for P.V, as in FlashMLA); the online softmax runs in the exp2 domain with
 sm_scale * log2(e) folded into the scores, and lse / max_logits are converted back to natural log at
-the end. Speed and tuning: docs/perf.md, docs/triton_kernel_notes.md.
+the end. Speed: docs/performance.md; tuning: docs/lab/prefill.md, docs/lab/triton_kernel_notes.md.
 
 Constraints: h_q 64 or 128, d_qk 512 or 576, d_v 512, h_kv 1, topk >= 1 (any: the last block is
 masked, callers pad nothing), any s_q (1-D grid; 64-bit offsets), last dims contiguous (leading dims
@@ -49,8 +50,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..platform import cuda_capability, dependent_launch, require_interpretable_numpy, triton_interprets
-from ..checks import check_sparse_mla_args
+from ..platform import dependent_launch, require_interpretable_numpy, triton_interprets
+from ..checks import check_out, check_sparse_mla_args
 from . import flashmla_sparse_gluon_sm90
 
 LOG2E = 1.0 / math.log(2.0)
@@ -163,32 +164,25 @@ class KernelConfig:
 
 
 def default_config(dtype: torch.dtype) -> KernelConfig:
-    """The fastest configuration measured on an H200 (docs/perf.md). float32 is the validation
+    """The fastest configuration measured on an H200 (docs/lab/prefill.md). float32 is the validation
     mode: small blocks so that it fits shared memory; its speed does not matter."""
     if dtype == torch.float32:
         return KernelConfig(block_k=16, num_warps=8, num_stages=1)
     return KernelConfig(block_k=64, num_warps=8, num_stages=2)
 
 
-def runs_sm90_kernel(q: torch.Tensor, kv: torch.Tensor) -> bool:
-    """Whether flash_mla_sparse_fwd(q, kv, ...) without `config` runs the Gluon SM90 kernel: bf16 on an
-    SM90 GPU, q / kv data pointers 16-byte aligned and their row strides multiples of 16 elements (what
-    Triton's JIT specializes on; the kernel reads rows by 16-byte cp.async, and without that guarantee
-    it does not compile). Other layouts, which the contract allows, run the portable kernel."""
-    if _INTERPRET or q.dtype != torch.bfloat16 or not q.is_cuda:
-        return False
-    if cuda_capability(q.device) != (9, 0):
-        return False
-    rows_aligned = all(stride % 16 == 0 for stride in (q.stride(0), q.stride(1), kv.stride(0)))
-    return rows_aligned and q.data_ptr() % 16 == 0 and kv.data_ptr() % 16 == 0
+KERNELS = ("gluon_sm90", "portable")
 
 
 def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                          d_v: int = 512, attn_sink: torch.Tensor | None = None,
-                         topk_length: torch.Tensor | None = None, *, config: KernelConfig | None = None):
+                         topk_length: torch.Tensor | None = None, *, kernel: str,
+                         config: KernelConfig | None = None, out: torch.Tensor | None = None):
     """FlashMLA's sparse prefill forward (see the module header). Returns (out, max_logits, lse);
-    lse natural log. `config` runs the portable kernel with these launch parameters (benchmarks, and
-    tests of that kernel on an SM90 GPU)."""
+    lse natural log. kernel: "gluon_sm90" or "portable", as the dispatcher chose it
+    (engine.h20_ops.attention.dispatch.prefill_kernel); `config`: the portable kernel's launch
+    parameters (benchmarks), default default_config(q.dtype); `out`: a contiguous [s_q, h_q, d_v]
+    tensor in q's dtype that the kernel writes (and that is returned), None: a new one."""
     shape, indices = check_sparse_mla_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
                                            q_dtypes=(torch.bfloat16, torch.float32))
     if not (q.is_cuda or _INTERPRET):
@@ -197,12 +191,19 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     if _INTERPRET:
         require_interpretable_numpy("flash_mla_sparse_fwd")
     s_q, h_q = shape.s_q, shape.h_q
-    out = torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device)
+    else:
+        check_out("out", out, (s_q, h_q, d_v), q.dtype, q.device)
     max_logits = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
     lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
     if s_q == 0:
         return out, max_logits, lse
-    if config is None and runs_sm90_kernel(q, kv):
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {', '.join(KERNELS)}, got {kernel!r}")
+    if kernel == "gluon_sm90":
+        if config is not None:
+            raise ValueError("config: the launch parameters of the portable kernel, given with kernel='gluon_sm90'")
         flashmla_sparse_gluon_sm90.launch(q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits, lse)
         return out, max_logits, lse
     if config is None:

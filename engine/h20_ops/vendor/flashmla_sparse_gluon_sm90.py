@@ -1,7 +1,7 @@
 """Sparse MLA prefill for Hopper (SM90) in Gluon, Triton's lower-level dialect: the bf16 GPU kernel
 behind `flashmla_sparse.flash_mla_sparse_fwd`.
 
-Contract: FlashMLA's `flash_mla_sparse_fwd` (../../../../shared/reference/sparse_mla_contract.md), as
+Contract: FlashMLA's `flash_mla_sparse_fwd` (docs/contract.md, "Prefill"), as
 stated in flashmla_sparse.py's header: natural-log lse, max_logits in natural scale, sink applied to out
 only, an invalid entry (idx < 0, idx >= s_kv or position >= topk_length; any int32 filler) is never
 read and scores -inf, an empty row gives out 0 / max_logits -inf / lse +inf. The caller validates the

@@ -1,0 +1,1 @@
+"""Integrations of the engine's kernels into other frameworks (transformers)."""
