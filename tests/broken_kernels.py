@@ -2,10 +2,12 @@
 scripts/long_context_check.py) must catch, and engine factories that install one in the process that
 builds the engine (a DP rank, a long-context run: both are spawned, so they import this module).
 
-A break wraps engine.h20_ops.attention.dispatch.sparse_mla_fwd (every prefill and gathered-decode
-launch goes through it) for every backend except `ref`, which stays intact: it is the long-context
+A break wraps the two functions of engine.h20_ops.attention.dispatch that launch every sparse MLA
+kernel: run_prefill_kernel (prefill, and decode over dense or gathered rows) and run_paged_fp8_kernel
+(decode reading the paged fp8 caches); the oracle (kernel "ref") stays intact: it is the long-context
 check's reference and floor.
-  - sink_applied_twice: out *= 1 / (1 + exp(sink - lse)) once more after the kernel;
+  - sink_applied_twice: out *= 1 / (1 + exp(sink - lse)) once more after the kernel (in place: the
+    caller's output buffer is the result);
   - scale_log2e_twice: the softmax scale multiplied by log2(e) once more (the base-2 exponent's factor
     folded in twice): every score 1.44x too large.
 """
@@ -28,39 +30,51 @@ import long_context_check  # noqa: E402
 LOG2E = 1.0 / math.log(2.0)
 
 
-def _sink_applied_twice(real):
-    def sparse_mla_fwd(q, kv, indices, sm_scale, *, attn_sink=None, **kwargs):
-        out, lse_log2 = real(q, kv, indices, sm_scale, attn_sink=attn_sink, **kwargs)
-        if attn_sink is None:
-            return out, lse_log2
-        factor = torch.sigmoid(lse_log2 * math.log(2.0) - attn_sink.float())
-        factor = torch.where(torch.isinf(lse_log2), torch.ones_like(factor), factor)
-        return (out.float() * factor[..., None]).to(out.dtype), lse_log2
-    return sparse_mla_fwd
+def _apply_sink_again(out: torch.Tensor, lse_log2: torch.Tensor, attn_sink: torch.Tensor | None) -> None:
+    if attn_sink is None:  # a split launch: the merge applies the sink (once)
+        return
+    factor = torch.sigmoid(lse_log2 * math.log(2.0) - attn_sink.float())
+    factor = torch.where(torch.isinf(lse_log2), torch.ones_like(factor), factor)
+    out.copy_((out.float() * factor[..., None]).to(out.dtype))
 
 
-def _scale_log2e_twice(real):
-    def sparse_mla_fwd(q, kv, indices, sm_scale, **kwargs):
-        return real(q, kv, indices, sm_scale * LOG2E, **kwargs)
-    return sparse_mla_fwd
+def _broken_prefill(real, breakage: str):
+    def run_prefill_kernel(kernel, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out=None):
+        if kernel == "ref":
+            return real(kernel, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
+        if breakage == "scale_log2e_twice":
+            return real(kernel, q, kv, indices, sm_scale * LOG2E, d_v, attn_sink, topk_length, out)
+        result, lse_log2 = real(kernel, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
+        _apply_sink_again(result, lse_log2, attn_sink)
+        return result, lse_log2
+    return run_prefill_kernel
 
 
-BREAKS = {"sink_applied_twice": _sink_applied_twice, "scale_log2e_twice": _scale_log2e_twice}
+def _broken_paged(real, breakage: str):
+    def run_paged_fp8_kernel(kernel, q, cache0, cache1, slot_indices, sm_scale, attn_sink, topk_length,
+                             cache_names, out=None):
+        if breakage == "scale_log2e_twice":
+            return real(kernel, q, cache0, cache1, slot_indices, sm_scale * LOG2E, attn_sink, topk_length,
+                        cache_names, out)
+        result, lse_log2 = real(kernel, q, cache0, cache1, slot_indices, sm_scale, attn_sink, topk_length,
+                                cache_names, out)
+        _apply_sink_again(result, lse_log2, attn_sink)
+        return result, lse_log2
+    return run_paged_fp8_kernel
+
+
+BREAKS = ("sink_applied_twice", "scale_log2e_twice")
 
 
 def install(breakage: str) -> None:
-    """Wraps dispatch.sparse_mla_fwd with `breakage` for the backends other than ref (once per process)."""
-    real = dispatch.sparse_mla_fwd
-    if getattr(real, "breakage", None) is not None:
+    """Wraps the dispatcher's kernel launchers with `breakage` (once per process)."""
+    if breakage not in BREAKS:
+        raise ValueError(f"breakage: expected one of {', '.join(BREAKS)}, got {breakage!r}")
+    if getattr(dispatch.run_prefill_kernel, "breakage", None) is not None:
         return
-    broken = BREAKS[breakage](real)
-
-    def sparse_mla_fwd(q, kv, indices, sm_scale, *, backend=None, **kwargs):
-        run = real if (backend or dispatch.resolve_backend()) == "ref" else broken
-        return run(q, kv, indices, sm_scale, backend=backend, **kwargs)
-
-    sparse_mla_fwd.breakage = breakage
-    dispatch.sparse_mla_fwd = sparse_mla_fwd
+    dispatch.run_prefill_kernel = _broken_prefill(dispatch.run_prefill_kernel, breakage)
+    dispatch.run_paged_fp8_kernel = _broken_paged(dispatch.run_paged_fp8_kernel, breakage)
+    dispatch.run_prefill_kernel.breakage = breakage
 
 
 @dataclass(frozen=True)
