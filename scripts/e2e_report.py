@@ -288,8 +288,7 @@ def bf16_gate_references(checkpoint, prompts: list[list[int]], max_new_tokens: i
     start = time.perf_counter()
     fp32 = hf_greedy(checkpoint, prompts, max_new_tokens, dtype=torch.float32, device=device)
     tokens = [ids for ids, _ in fp32]
-    floor = hf_teacher_forced(checkpoint, prompts, tokens, dtype=torch.bfloat16, device=device,
-                              kv_cache="fp8" if kv_cache == "fp8" else "auto")
+    floor = hf_teacher_forced(checkpoint, prompts, tokens, dtype=torch.bfloat16, device=device, kv_cache=kv_cache)
     fp32_logits = [logits.float().numpy() for _, logits in fp32]
     floors = [logit_error(f.float().numpy(), ref) for f, ref in zip(floor, fp32_logits)]
     return {
@@ -355,7 +354,7 @@ def _gate_prompt_cell(row: dict) -> str:
 def _gate_summary_cell(run: dict) -> str:
     gate = run.get("bf16_gate")
     if gate is None:
-        return "n/a (float32: tokens compared)"
+        return "n/a (float32)"
     if gate["pooled"] is None:
         return "FAIL (missing logits)"
     p = gate["pooled"]

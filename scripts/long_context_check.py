@@ -221,14 +221,14 @@ def render_markdown(report: dict) -> str:
              f"{s['factor']:g}x its cache's floor run (bf16, backend ref); transformers' max <= {s['hf_bound']:g}.",
              "", f"Trace, step 0 -> last step: ratio-4 entries {t['csa_entries'][0]} -> {t['csa_entries'][1]} "
              f"(indexer top-k {t['index_topk']}), ratio-128 entries {t['hca_entries'][0]} -> {t['hca_entries'][1]}, "
-             f"window pages released {t['window_pages_released'][0]} -> {t['window_pages_released'][1]}.", "",
-             "| run | dtype | KV cache | backend | max dlogit | mean dlogit | bound (max / mean) | ratio to floor "
+             f"window pages released {t['window_pages_released'][0]} -> {t['window_pages_released'][1]}.", ""]
+    table = ["| run | dtype | KV cache | backend | max dlogit | mean dlogit | bound (max / mean) | ratio to floor "
              "(max / mean) | shared greedy prefix | argmax agreeing steps | prefill tok/s | decode tok/s | "
              "peak memory | seconds | verdict |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         if "error" in r:
-            lines.append(f"| {r['label']} | {r['dtype']} | {r['kv_cache']} | {r['backend'] or 'as configured'} | "
+            table.append(f"| {r['label']} | {r['dtype']} | {r['kv_cache']} | {r['backend'] or 'as configured'} | "
                          + " | ".join(["-"] * 10) + " | FAILED: " + r["error"].replace("|", "\\|")[:200] + " |")
             continue
         v = r["vs_reference"]
@@ -237,16 +237,17 @@ def render_markdown(report: dict) -> str:
         ratio = r.get("ratio")
         ratio_cell = "-" if ratio is None else f"{ratio['max']:.2f} / {ratio['mean']:.2f}"
         verdict = {True: "pass", False: "FAIL", None: "-"}[r.get("ok")]
-        lines.append(f"| {r['label']} | {r['dtype']} | {r['kv_cache']} | {r['backend']} | {_fmt(v['max'])} | "
+        table.append(f"| {r['label']} | {r['dtype']} | {r['kv_cache']} | {r['backend']} | {_fmt(v['max'])} | "
                      f"{_fmt(v['mean'])} | {bound_cell} | {ratio_cell} | {v['shared_greedy_prefix']}/{s['steps']} | "
                      f"{v['argmax_agreeing_steps']}/{s['steps']} | {_fmt(r.get('prefill_tokens_per_s'), '.4g')} | "
                      f"{_fmt(r.get('decode_tokens_per_s'), '.4g')} | {_gib(r.get('peak_memory_bytes'))} | "
                      f"{r['seconds']:.1f} | {verdict} |")
     shown = [r for r in runs if "error" not in r and r["kind"] != "reference"]
-    lines += ["", "Per-step max |dlogit| against the reference:", "",
+    lines += ["Per-step max |dlogit| against the reference:", "",
               "| step | " + " | ".join(r["label"] for r in shown) + " |", "|---|" + "---|" * len(shown)]
     for k in range(s["steps"]):
         lines.append(f"| {k} | " + " | ".join(_fmt(r["vs_reference"]["per_step_max"][k]) for r in shown) + " |")
+    lines += [""] + table
     if report["failures"]:
         lines += ["", "Failures:"] + [f"- {f}" for f in report["failures"]]
     lines += ["", f"exit code {report['exit_code']}; JSON: {report['json_path']}"]

@@ -369,6 +369,13 @@ def test_dpjob_refuses_a_bad_environ():
     DPJob(FakeFactory(), PROMPTS, CONTROL, 5, environ=(("DEEPINFER_FLAG", "1"),))
 
 
+def test_dpjob_refuses_forced_tokens_of_the_wrong_shape():
+    for forced in (((1, 2, 3, 4, 5),), tuple((1, 2, 3, 4) for _ in PROMPTS)):
+        with pytest.raises(ValueError, match=r"^forced: expected one tuple of max_new_tokens = 5 tokens per prompt"):
+            DPJob(FakeFactory(), PROMPTS, CONTROL, 5, forced=forced)
+    DPJob(FakeFactory(), PROMPTS, CONTROL, 5, forced=tuple((1, 2, 3, 4, 5) for _ in PROMPTS))
+
+
 def test_short_answers_fail_every_mode():
     """The engine ignores EOS, so every answer has max_new_tokens tokens; a rank that returns fewer
     fails the run also where tokens are not compared with the oracle (bf16, sampled)."""
