@@ -1,8 +1,12 @@
 """scripts/long_context_check.py at its CPU scale (issue 34): a 250-token prompt and 12 steps, the
-engine in bf16 with the fp8 and the bf16 cache (the Triton kernel under its interpreter, TileLang
-blocked as in CI), teacher-forced along the engine's own float32 run through the attention oracle,
-and transformers in float32. The shipped kernels pass; a broken kernel (tests/broken_kernels.py)
-fails the check against the same reference and floor runs.
+engine in bf16 with the bf16 cache (the Triton kernel under its interpreter, TileLang blocked as in
+CI), teacher-forced along the engine's own float32 run through the attention oracle, and transformers
+in float32. The shipped kernels pass; a broken kernel (tests/broken_kernels.py) fails the check
+against the same reference and floor runs.
+
+CI's budget leaves out the fp8 cache here (`--kv-caches auto`): its decode under the interpreter
+dequantizes the gathered rows with the Triton kernel (its two runs: ~2 more minutes on the development
+machine); `--device cpu` runs both caches by default, the GPU run both at 65500 tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ def shipped(tmp_path_factory):
     out = tmp_path_factory.mktemp("long_context") / "check.json"
     with pytest.MonkeyPatch.context() as patch:
         _ci_env(patch)
-        args = lc.parse_args(["--device", "cpu", "--json", str(out)])
+        args = lc.parse_args(["--device", "cpu", "--kv-caches", "auto", "--json", str(out)])
         return args, lc.check(args)
 
 
@@ -47,9 +51,9 @@ def test_cpu_check_passes_the_shipped_kernels(shipped):
     assert t["hca_entries"][1] > t["hca_entries"][0] >= 1
     assert t["window_pages_released"][1] > t["window_pages_released"][0] >= 1
     runs = {r["label"]: r for r in report["runs"]}
-    assert list(runs) == ["reference", "floor fp8", "kernels fp8", "floor auto", "kernels auto", "transformers"]
+    assert list(runs) == ["reference", "floor auto", "kernels auto", "transformers"]
     assert len(report["reference_tokens"]) == 12 and runs["reference"]["backend"] == "ref"
-    for cache in ("fp8", "auto"):
+    for cache in args.kv_caches:
         kernel, floor = runs[f"kernels {cache}"], runs[f"floor {cache}"]
         assert kernel["backend"] == "triton" and floor["backend"] == "ref" and kernel["op_fallbacks"] == {}
         assert kernel["ok"] and all(r <= args.factor for r in kernel["ratio"].values())
@@ -64,8 +68,8 @@ def test_cpu_check_passes_the_shipped_kernels(shipped):
     saved = json.loads(Path(report["json_path"]).read_text())
     assert saved["exit_code"] == 0 and all("logits" not in r for r in saved["runs"])
     md = lc.render_markdown(report)
-    assert "| kernels fp8 | bfloat16 | fp8 | triton |" in md and "Trace, step 0 -> last step: ratio-4 entries 62 -> 65" in md
-    assert md.count("| pass |") == 3 and md.rstrip().endswith(report["json_path"])
+    assert "| kernels auto | bfloat16 | auto | triton |" in md and "Trace, step 0 -> last step: ratio-4 entries 62 -> 65" in md
+    assert md.count("| pass |") == 2 and md.rstrip().endswith(report["json_path"])
 
 
 def test_cpu_check_fails_a_broken_kernel(shipped):
