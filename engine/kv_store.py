@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import ops
+from engine.kernel_source import op
 from engine.h20_ops import kv_cache
 
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -148,7 +148,7 @@ class PagedRows:
     def write_at(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Store values [n, row_dim] at slots [n] (on the store's device; held by their requests)."""
         if self.fp8:
-            ops.kv_quantize(self.layers[layer], slots, values.reshape(values.size(0), 1, self.row_dim).contiguous())
+            op("kv_quantize")(self.layers[layer], slots, values.reshape(values.size(0), 1, self.row_dim).contiguous())
         else:
             self.layers[layer][slots] = values.to(self.dtype)
 
@@ -161,7 +161,7 @@ class PagedRows:
     def gather(self, layer: int, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Rows at slots [B, W] (-1: empty, gives a zero row) into out [B, W, 1, row_dim]."""
         if self.fp8:
-            return ops.kv_gather_dequant(self.layers[layer], slots, out)
+            return op("kv_gather_dequant")(self.layers[layer], slots, out)
         valid = slots >= 0
         rows = self.layers[layer][torch.where(valid, slots, torch.zeros_like(slots))]
         out[:, :, 0, :] = torch.where(valid[..., None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
@@ -182,9 +182,9 @@ class PagedRows:
         n = values.size(0)
         scratch = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, -(-n // self.page_size), self.page_size, values.device)
         slots = torch.arange(n, device=values.device)
-        ops.kv_quantize(scratch, slots, values.reshape(n, 1, self.row_dim).contiguous())
+        op("kv_quantize")(scratch, slots, values.reshape(n, 1, self.row_dim).contiguous())
         out = torch.empty((1, n, 1, self.row_dim), dtype=self.dtype, device=values.device)
-        return ops.kv_gather_dequant(scratch, slots.reshape(1, n), out)[0, :, 0, :]
+        return op("kv_gather_dequant")(scratch, slots.reshape(1, n), out)[0, :, 0, :]
 
 
 @dataclass

@@ -36,7 +36,8 @@ acceptance rate.
 
 The model is transformers' DeepseekV4ForCausalLM (weights, MoE, embeddings, head) driven by
 engine.model.deepseek_v4 (norms/RoPE through engine.ops, attention through
-engine.h20_ops.sparse_mla_prefill / sparse_mla_decode, KV in engine.kv_store).
+engine.h20_ops.sparse_mla_prefill / sparse_mla_decode, each op from engine.kernel_source's table;
+KV in engine.kv_store).
 """
 
 from __future__ import annotations
@@ -49,9 +50,8 @@ from pathlib import Path
 
 import torch
 
-from engine import config, ops
+from engine import config, kernel_source
 from engine.h20_ops import sampling
-from engine.h20_ops.attention import dispatch
 from engine.kv_store import KV_CACHE_DTYPES, PagedRows, RequestState
 from engine.model.deepseek_v4 import DeepseekV4Runtime, NextNRuntime, SeqStep, Stores
 from engine.model.layer_types import CSA, HCA
@@ -155,11 +155,12 @@ class Engine:
         num_speculative_tokens: drafts per decode step when DEEPINFER_USE_NEXTN_DECODE=1 (the
         checkpoint must then hold NextN weights); unused otherwise."""
         config.validate_all()
+        kernel_source.report()  # resolves the op table now: a strict hub source that cannot be used stops here
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype: expected torch.float32 or torch.bfloat16, got {dtype}")
-        if dtype == torch.float32 and dispatch.resolve_backend() == "tilelang":
+        if dtype == torch.float32 and kernel_source.attention_dispatch().resolve_backend() == "tilelang":
             # Fail here, not in the first forward: the TileLang sparse MLA kernels take bf16 only.
             raise ValueError("dtype: torch.float32 needs a sparse MLA backend that computes in float32 (triton "
                              "or ref), but this process resolved tilelang (bf16-only kernels): use torch.bfloat16, "
@@ -524,7 +525,8 @@ class Engine:
         self._spec_stats["draft_seconds"] += time.perf_counter() - start
 
     def stats(self) -> dict:
-        """Token and time counters since construction, op fallbacks and the sparse MLA backend; with
+        """Token and time counters since construction, op fallbacks, the sparse MLA backend and the kernel
+        source (engine.kernel_source.report()); with
         NextN decoding also: drafted / accepted counts, acceptance rate (None before any
         verification), emitted tokens per decode step and draft_seconds (NextN time, already counted
         in prefill_seconds / decode_seconds). fused_sample_backend: with NextN or once a request
@@ -536,9 +538,10 @@ class Engine:
             # generated tokens (each request's first from its prefill) per second of prefill + decode
             "tokens_per_s": st["generated_tokens"] / seconds if seconds else None,
             "decode_tokens_per_s": st["decode_tokens"] / st["decode_seconds"] if st["decode_seconds"] else None,
-            "op_fallbacks": ops.fallback_counts(),
-            "sparse_mla_backend": dispatch.resolve_backend(),
-            "sparse_mla_kernels": dispatch.kernel_choices(),
+            "op_fallbacks": kernel_source.op_fallback_counts(),
+            "sparse_mla_backend": kernel_source.attention_dispatch().resolve_backend(),
+            "sparse_mla_kernels": kernel_source.attention_dispatch().kernel_choices(),
+            "kernel_source": kernel_source.report(),
             "kv_cache_dtype": self.kv_cache_dtype,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),

@@ -135,6 +135,7 @@ class RankRecord:
     backend_reason: str | None = None
     tilelang_missing: str | None = None
     op_fallbacks: dict[str, int] = field(default_factory=dict)
+    kernel_source: dict | None = None  # engine.kernel_source.report(): source, commit, digest, fallbacks
     prompt_indices: list[int] = field(default_factory=list)
     completions: dict[str, dict] = field(default_factory=dict)  # request_id -> {output_ids, step_logits}
     forced_logits: dict[str, Any] = field(default_factory=dict)  # request_id -> step logits of the forced pass
@@ -262,20 +263,29 @@ def _plain(value):
 
 
 def _report_dispatch_state(record: RankRecord) -> None:
-    """Backend resolution and op fallbacks, also for a rank that failed (what it would have used)."""
+    """Kernel source, backend resolution and op fallbacks, also for a rank that failed (what it would
+    have used)."""
     try:
-        from engine.h20_ops.attention.dispatch import backend_resolution
+        from engine import kernel_source
 
-        res = backend_resolution()
+        record.kernel_source = kernel_source.report()
+    except Exception as exc:  # e.g. a strict hub source that cannot be used: the rank's error already says so
+        record.kernel_source = {"error": f"{type(exc).__name__}: {exc}"}
+        if has_module_not_found(exc):
+            record.module_not_found_failures = 1
+    try:
+        from engine import kernel_source
+
+        res = kernel_source.attention_dispatch().backend_resolution()
         record.backend, record.backend_reason, record.tilelang_missing = res.backend, res.reason, res.tilelang_missing
     except Exception as exc:  # reported, and counted when it is a ModuleNotFoundError
         record.backend_reason = f"resolution failed: {type(exc).__name__}: {exc}"
         if has_module_not_found(exc):
             record.module_not_found_failures = 1
     try:
-        from engine.ops import fallback_counts
+        from engine.kernel_source import op_fallback_counts
 
-        record.op_fallbacks = {k: int(v) for k, v in fallback_counts().items() if v}
+        record.op_fallbacks = {k: int(v) for k, v in op_fallback_counts().items() if v}
     except Exception as exc:
         if record.error is None:
             record.fail(exc)

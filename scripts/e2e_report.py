@@ -140,6 +140,29 @@ def nextn_summary(ranks: list[dict]) -> dict:
     }
 
 
+def kernel_source_summary(ranks: list[dict]) -> dict:
+    """engine.kernel_source per rank: where the ops came from ("hub x8"), the kernels loaded (repository,
+    commit, variant, digest: one entry when every rank ran byte-identical kernels) and the hub ops that
+    ran natively (fallbacks, summed)."""
+    reports = [r["kernel_source"] or {"source": None} for r in ranks]
+    fallbacks: Counter = Counter()
+    for rep in reports:
+        fallbacks.update(rep.get("fallbacks") or {})
+    loaded = sorted({(rep["repo"], rep["commit"], rep["variant"], rep["digest"]) for rep in reports
+                     if rep.get("digest")}, key=str)
+    return {"summary": backend_summary([{"backend": rep.get("source")} for rep in reports]),
+            "kernels": [{"repo": repo, "commit": commit, "variant": variant, "digest": digest}
+                        for repo, commit, variant, digest in loaded],
+            "fallbacks": dict(sorted(fallbacks.items()))}
+
+
+def _kernel_source_cell(run: dict) -> str:
+    ks = run["kernel_source"]
+    kernels = "; ".join(f"{k['repo']}{' commit ' + k['commit'][:12] if k['commit'] else ''} {k['variant']} "
+                        f"digest {k['digest'][:12]}" for k in ks["kernels"])
+    return ks["summary"] + (f" ({kernels})" if kernels else "")
+
+
 def _nextn_cell(run: dict) -> str:
     n = run["nextn"]
     if not n["enabled"]:
@@ -160,6 +183,7 @@ def evaluate_run(label: str, environ: dict, result: serve_dp.DPResult, prompts: 
             "rank": rec.rank, "device": rec.device, "ok": rec.ok, "stage": rec.stage, "error": rec.error,
             "backend": rec.backend, "backend_reason": rec.backend_reason, "tilelang_missing": rec.tilelang_missing,
             "module_not_found_failures": rec.module_not_found_failures, "op_fallbacks": rec.op_fallbacks,
+            "kernel_source": rec.kernel_source,
             "prompt_indices": rec.prompt_indices, "generated_tokens": rec.generated_tokens,
             "serve_seconds": rec.serve_seconds, "tokens_per_s": rec.tokens_per_s, "engine_stats": rec.engine_stats,
         })
@@ -173,6 +197,9 @@ def evaluate_run(label: str, environ: dict, result: serve_dp.DPResult, prompts: 
     fallbacks: Counter = Counter()
     for r in ranks:
         fallbacks.update(r["op_fallbacks"])
+    kernel_source = kernel_source_summary(ranks)
+    if len(kernel_source["kernels"]) > 1:
+        failures.append(f"ranks loaded {len(kernel_source['kernels'])} different kernels (commit, digest)")
 
     agreeing, control_ids = serve_dp.control_agreement(result.records)
     n = len(result.records)
@@ -217,7 +244,8 @@ def evaluate_run(label: str, environ: dict, result: serve_dp.DPResult, prompts: 
         "gathered": result.gathered, "notes": result.notes, "wall_seconds": result.wall_seconds,
         "backend_summary": backend_summary(ranks), "tilelang_fallbacks": tilelang_fallbacks,
         "module_not_found_failures": mnf,
-        "op_fallbacks": dict(sorted(fallbacks.items())), "control": control, "ranks": ranks, "prompts": prompt_rows,
+        "op_fallbacks": dict(sorted(fallbacks.items())), "kernel_source": kernel_source, "control": control,
+        "ranks": ranks, "prompts": prompt_rows,
     }
 
 
@@ -422,6 +450,9 @@ def render_markdown(report: dict) -> str:
         ("ranks whose auto backend fell back to triton (TileLang missing)", lambda r: r["tilelang_fallbacks"]),
         ("ModuleNotFoundError failures", lambda r: r["module_not_found_failures"]),
         ("kernels served by the default backend (op fallbacks)", lambda r: _fallbacks_cell(r["op_fallbacks"])),
+        ("kernel source per rank (DEEPINFER_KERNEL_SOURCE)", _kernel_source_cell),
+        ("hub ops served natively (kernel source fallbacks)",
+         lambda r: _fallbacks_cell(r["kernel_source"]["fallbacks"])),
         ("DP ranks agreeing (control prompt)", lambda r: f"{r['control']['agreeing']}/{r['control']['ranks']}"),
         ("control prompt vs oracle", lambda r: _oracle_cell(r["control"]["oracle"], strict)),
         ("answers vs oracle", lambda r: _oracle_summary(r, strict)),

@@ -4,7 +4,7 @@
 # codes ends the output, and the script exits nonzero if any step failed.
 #   bash scripts/gpu_checks.sh LOGDIR STEP [STEP...]
 # steps: compile tests tests-no-tilelang engine memcheck ab bench sweep decode flashmla gather e2e
-#        e2e-rank-per-gpu e2e-fp8 e2e-fp32 e2e-nextn e2e-sampled long-context sample
+#        e2e-rank-per-gpu e2e-fp8 e2e-fp32 e2e-nextn e2e-sampled long-context sample e2e-hub
 # A TileLang bundle at .tilelang_bundle/*.tar.xz (scripts/tilelang_bundle.sh) is installed first; the
 # built FlashMLA package at .flashmla/flash_mla_sm90_pkg.tar.xz (the peer scripts/bench_flash_mla.py
 # measures against) is unpacked and put on the path.
@@ -39,9 +39,13 @@ step() {  # step NAME SECONDS CMD...
 for s in "$@"; do
     case $s in
         compile)  # the TileLang kernels, one process each, into TILELANG_CACHE_DIR for the steps after
-            step compile 300 bash -c 'for v in "attention.tilelang_sm90 64,512" "attention.tilelang_sm90 128,512" \
-                "attention.tilelang_sm90 64,576" "attention.tilelang_sm90 128,576" "attention.tilelang_sm90_paged_fp8 64" \
-                "attention.tilelang_sm90_paged_fp8 128"; do set -- $v; python3 -c "from engine.h20_ops.$1 import compiled_kernel; compiled_kernel($2)" & done
+            step compile 300 bash -c 'for v in "attention.tilelang_sm90 64,512,False" "attention.tilelang_sm90 128,512,False" \
+                "attention.tilelang_sm90 64,576,False" "attention.tilelang_sm90 128,576,False" \
+                "attention.tilelang_sm90 64,512,True" "attention.tilelang_sm90 128,512,True" \
+                "attention.tilelang_sm90 64,576,True" "attention.tilelang_sm90 128,576,True" \
+                "attention.tilelang_sm90_paged_fp8 64,\"MODEL1\"" "attention.tilelang_sm90_paged_fp8 128,\"MODEL1\"" \
+                "attention.tilelang_sm90_paged_fp8 64,\"V32\"" "attention.tilelang_sm90_paged_fp8 128,\"V32\""; do
+                set -- $v; python3 -c "from engine.h20_ops.$1 import compiled_kernel; compiled_kernel($2)" & done
                 fail=0; for j in $(jobs -p); do wait $j || fail=1; done; exit $fail' ;;
         tests) step tests 400 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_mla_ref.py \
                 tests/test_dispatcher.py tests/test_flashmla_sparse.py tests/test_sparse_mla_sm90.py \
@@ -89,6 +93,15 @@ for s in "$@"; do
                 bash scripts/h20_e2e_report.sh --compare --temperature 0.8 --top-p 0.9 --seed 1 \
                 --json "$logdir/e2e_sampled.json" ;;
         sample) step ab_fused_sample 450 python3 scripts/ab_fused_sample.py ;;
+        # the report with the hub kernel source: this checkout's kernels built as a kernel repository, put
+        # into an offline cache with a lock, verified and loaded by every rank under HF_HUB_OFFLINE=1
+        # (needs kernels 0.17.2 and transformers 5.18-5.21.x: their wheels in .wheels_e2e/ on an older image)
+        e2e-hub) step e2e_hub 500 bash -c 'set -e; d=/tmp/kernel_hub; rm -rf "$d"
+                python3 scripts/build_kernel_repo.py "$d/repo"
+                python3 scripts/kernel_offline_cache.py "$d/repo" --lock "$d/kernels.lock" --cache "$d/cache"
+                HF_HUB_OFFLINE=1 KERNELS_CACHE="$d/cache" DEEPINFER_KERNEL_SOURCE=hub DEEPINFER_OPS_STRICT=1 \
+                DEEPINFER_KERNEL_REPO=deepinfer/sparse-mla@v1 DEEPINFER_KERNEL_LOCK="$d/kernels.lock" \
+                bash scripts/h20_e2e_report.sh --compare --json "$0/e2e_hub.json"' "$logdir" ;;
         *) echo "unknown step $s" >&2; exit 2 ;;
     esac
 done

@@ -14,7 +14,7 @@ context through the model's cache in --chunk-token chunks (eager's dense attenti
 needs more than an H200's memory) and one decode step after it; CUDA-synchronized wall time (median of
 --reps runs for the decode step), peak memory.
 
-The kernel repository is a local copy of this checkout (tests/local_kernel_repo.py) loaded through
+The kernel repository is built from this checkout (scripts/build_kernel_repo.py) and loaded through
 LOCAL_KERNELS. Needs CUDA, transformers 5.21.1, kernels 0.17.2 (imports transformers, kernels,
 safetensors; on the H200 image only the transformers and kernels wheels are missing, docs/transformers.md).
 Prints tables; --json PATH writes the numbers; exits 1 when a way fails.
@@ -35,7 +35,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 FLOOR_FACTOR = 2.0
 
@@ -199,9 +198,11 @@ def main() -> int:
         print("hf_integration_bench: needs a CUDA GPU", file=sys.stderr)
         return 2
 
-    from local_kernel_repo import REPO_ID, REVISION, write_local_kernel_repo
+    import build_kernel_repo  # (this script's directory is on sys.path)
+    from build_kernel_repo import REPO_ID, REVISION
 
-    repo = write_local_kernel_repo(Path(tempfile.mkdtemp(prefix="deepinfer_kernel_repo_")))
+    repo = Path(tempfile.mkdtemp(prefix="deepinfer_kernel_repo_"))
+    build_kernel_repo.build(repo)
     os.environ["LOCAL_KERNELS"] = f"{REPO_ID}={repo}"
     os.environ["HF_HUB_OFFLINE"] = "1"
     from engine.integrations import transformers as hf

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import engine.h20_ops  # noqa: F401  (sets TRITON_INTERPRET=1 before any kernel module on CPU-only machines)
+from engine import kernel_source
 from engine.h20_ops import backend_select
 from engine.h20_ops import sampling
 from engine.h20_ops.attention import dispatch
@@ -34,8 +35,8 @@ def _tilelang_modules() -> dict:
 @pytest.fixture(autouse=True)
 def isolated_backend_selection():
     """A test that resolves with DEEPINFER_SIMULATE_NO_TILELANG=1 installs a process-wide import hook
-    and drops tilelang's modules: undo that (and forget every resolution) so that no later test
-    inherits a TileLang-less process."""
+    and drops tilelang's modules: undo that (and forget every resolution, the kernel source's op table
+    included) so that no later test inherits a TileLang-less process or another kernel source."""
     meta_path = list(sys.meta_path)
     modules = _tilelang_modules()
     yield
@@ -46,6 +47,7 @@ def isolated_backend_selection():
     sys.modules.update(modules)
     dispatch.reset_resolution_for_tests()
     sampling.reset_resolution_for_tests()
+    kernel_source.reset()
 
 
 @pytest.fixture

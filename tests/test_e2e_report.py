@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -85,6 +86,48 @@ def test_ci_command_report_json(tmp_path, nextn):
     assert "| exit code | 0 |" in proc.stdout
     assert str(out.resolve()) in proc.stdout
     assert "[e2e" in proc.stderr and "oracle" in proc.stderr
+
+
+def test_ci_command_report_json_hub_source(tmp_path):
+    """Issue 31: the report once with DEEPINFER_KERNEL_SOURCE=hub, the kernels built from this checkout and
+    loaded from an offline cache through a lock (HF_HUB_OFFLINE=1): the hub source on every rank with the
+    same commit and digest, every op from the hub, no fallbacks, tokens equal to the oracle. Small (2 ranks,
+    2 prompts, 2 tokens): the other CI runs cover the engine; this one covers where its kernels come from."""
+    pytest.importorskip("kernels", reason="needs the kernels package (pyproject's test / hf-kernels extras)")
+    repo, cache, lock = tmp_path / "kernel_repo", tmp_path / "kernel_cache", tmp_path / "kernels.lock"
+    for script, args in (("build_kernel_repo.py", [str(repo)]),
+                         ("kernel_offline_cache.py", [str(repo), "--lock", str(lock), "--cache", str(cache)])):
+        subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], check=True, capture_output=True)
+    commit = json.loads(lock.read_text())[0]["lock"]["commit"]
+    out = tmp_path / "report.json"
+    env = {**os.environ, "PYTHON": sys.executable, "DEEPINFER_SIMULATE_NO_TILELANG": "1", "DEEPINFER_KERNELS": "ref",
+           "DEEPINFER_OPS_STRICT": "1", "DEEPINFER_USE_NEXTN_DECODE": "0", "HF_HUB_OFFLINE": "1",
+           "KERNELS_CACHE": str(cache), "DEEPINFER_KERNEL_SOURCE": "hub",
+           "DEEPINFER_KERNEL_REPO": "deepinfer/sparse-mla@v1", "DEEPINFER_KERNEL_LOCK": str(lock)}
+    for var in ("DEEPINFER_SPARSE_MLA_BACKEND", "DEEPINFER_KERNEL_MAPPING"):
+        env.pop(var, None)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "h20_e2e_report.sh"), "--ranks", "2", "--prompts", "2",
+                           "--max-new-tokens", "2", "--json", str(out), "--timeout", "600"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=720)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    report = json.loads(out.read_text())
+    assert report["exit_code"] == 0 and report["ok"] and report["failures"] == []
+    (run,) = report["runs"]
+    digest = hashlib.sha256((repo / "build" / "torch-cpu" / "metadata.json").read_bytes()).hexdigest()
+    assert run["kernel_source"] == {"summary": "hub x2", "fallbacks": {}, "kernels": [
+        {"repo": "deepinfer/sparse-mla@v1", "commit": commit, "variant": "torch-cpu", "digest": digest}]}
+    for r in run["ranks"]:
+        ks = r["kernel_source"]
+        assert ks["source"] == "hub" and ks["strict"] and ks["commit"] == commit and ks["digest"] == digest
+        assert set(ks["ops"].values()) == {"hub"} and ks["fallbacks"] == {} and ks["problem"] is None
+        assert r["op_fallbacks"] == {} and r["backend"] == "triton"
+    assert run["op_fallbacks"] == {} and run["module_not_found_failures"] == 0
+    assert run["control"]["agreeing"] == 2 and run["control"]["output_ids"] == report["oracle"]["control"]["output_ids"]
+    for p, o in zip(run["prompts"], report["oracle"]["prompts"]):
+        assert p["output_ids"] == o["output_ids"] and len(o["output_ids"]) == 2 and p["oracle"]["tokens_equal"]
+    assert report["settings"]["environ"]["DEEPINFER_KERNEL_SOURCE"] == "hub"
+    assert f"| kernel source per rank (DEEPINFER_KERNEL_SOURCE) | hub x2 (deepinfer/sparse-mla@v1 commit " \
+           f"{commit[:12]} torch-cpu digest {digest[:12]}) |" in proc.stdout
 
 
 # ------------------------------------------------------------------------------- fake workload

@@ -3,8 +3,8 @@ checkpoint, against transformers' eager model in float32.
 
 The three ways: attn_implementation="deepinfer_sparse_mla" (register()), the kernel repository's sparse
 attention layer bound by kernelize, and a KernelConfig with the repository's layouts (CPU: the
-registrations + kernelize). The repository is a local copy of this checkout (tests/local_kernel_repo.py)
-loaded through LOCAL_KERNELS, as offline users load it.
+registrations + kernelize). The repository is built from this checkout (scripts/build_kernel_repo.py)
+and loaded through LOCAL_KERNELS, as offline users load it.
 
 Tolerances: logits are O(10) and the tiny model (initializer_range 0.2) amplifies rounding: eager
 with an exact (float64) attention differs from eager by 3.5e-5 - 6.9e-5 on 12-24 token prompts and by
@@ -33,7 +33,10 @@ from engine.integrations import hf_layers  # noqa: E402
 from engine.integrations import transformers as hf  # noqa: E402
 from engine.model import tiny  # noqa: E402
 
-from local_kernel_repo import REPO_ID, REVISION, write_local_kernel_repo  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import build_kernel_repo  # noqa: E402
+
+REPO_ID, REVISION = build_kernel_repo.REPO_ID, build_kernel_repo.REVISION
 
 LOGITS_ATOL = 1e-4
 LONG_LOGITS_ATOL = 5e-4
@@ -90,7 +93,8 @@ def _assert_matches(run, reference, atol):
 @pytest.fixture(scope="module")
 def kernel_repo(tmp_path_factory):
     pytest.importorskip("kernels")
-    root = write_local_kernel_repo(tmp_path_factory.mktemp("kernel_repo"))
+    root = tmp_path_factory.mktemp("kernel_repo")
+    build_kernel_repo.build(root)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LOCAL_KERNELS", f"{REPO_ID}={root}")
         mp.setenv("HF_HUB_OFFLINE", "1")

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.h20_ops import DecodePlan, plan_sparse_decode
+from engine.kernel_source import op
+from engine.h20_ops import DecodePlan
 from engine.model.layer_types import CSA, HCA, SLIDING
 
 
@@ -105,6 +106,7 @@ def build_decode_metadata(runtime, seqs) -> DecodeMetadata:
     dtype = runtime.model.embed_tokens.weight.dtype
     window_cache = stores.window.cache(0)
     common = dict(batch=batch, s_q=s_q, h_q=runtime.heads, topk=window_indices.size(2), q_dtype=dtype)
+    plan_sparse_decode = op("plan_sparse_decode")
     plans = {SLIDING: plan_sparse_decode(window_cache, **common)}
     if stores.csa is not None:
         plans[CSA] = (plan_sparse_decode(window_cache, extra_cache=stores.csa.cache(0), extra_topk=csa_topk, **common)

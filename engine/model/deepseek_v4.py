@@ -2,8 +2,9 @@
 
 Weights and the non-attention blocks come from transformers' DeepseekV4ForCausalLM (loaded from
 the HF-format checkpoint): embeddings, MoE (hash-routed and top-k), projections, head. Everything
-that is attention or state is the engine's own:
-  - norms and RoPE through engine.ops (DEEPINFER_KERNELS picks Triton or torch);
+that is attention or state is the engine's own, every op through engine.kernel_source.op (this
+package's implementation, or a verified kernel repository's under DEEPINFER_KERNEL_SOURCE=hub):
+  - norms and RoPE (engine.ops: DEEPINFER_KERNELS picks Triton or torch);
   - K=V rows, compressed entries and indexer keys in the paged stores of engine.kv_store;
   - compressors (ratio 4 with overlapping windows + lightning indexer, ratio 128) step by step
     with per-request state, as transformers' DeepseekV4CSACache / HCACache define them;
@@ -30,8 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import ops
-from engine.h20_ops import sparse_mla_decode, sparse_mla_prefill
+from engine.kernel_source import op
 from engine.kv_store import PagedRows, RequestState
 from engine.model.decode_metadata import DecodeMetadata, build_decode_metadata
 from engine.model.layer_types import CSA, HCA, SLIDING
@@ -109,7 +109,7 @@ class DeepseekV4Runtime:
         logit_rows = collapsed
         if all_hidden and not all_logits:
             logit_rows = collapsed[torch.tensor([s.offset + s.length - 1 for s in seqs], device=hidden.device)]
-        logits = self.hf.lm_head(ops.rms_norm(logit_rows, norm_weight, self.eps)).float()
+        logits = self.hf.lm_head(op("rms_norm")(logit_rows, norm_weight, self.eps)).float()
         return logits, (collapsed if all_hidden else None)
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
@@ -120,12 +120,12 @@ class DeepseekV4Runtime:
         step's decode metadata (None: a prefill step)."""
         dtype = hidden.dtype
         post, comb, collapsed = self._hyper_connection(layer.attn_hc, hidden)
-        x = ops.rms_norm(collapsed, layer.input_layernorm.weight, self.eps)
+        x = op("rms_norm")(collapsed, layer.input_layernorm.weight, self.eps)
         attn_out = self._attention(layer_idx, layer.self_attn, x, positions, seqs, rope, meta)
         hidden = post.to(dtype).unsqueeze(-1) * attn_out.unsqueeze(-2) + torch.matmul(
             comb.to(dtype).transpose(-1, -2), hidden)
         post, comb, collapsed = self._hyper_connection(layer.ffn_hc, hidden)
-        x = ops.rms_norm(collapsed, layer.post_attention_layernorm.weight, self.eps)
+        x = op("rms_norm")(collapsed, layer.post_attention_layernorm.weight, self.eps)
         mlp_out = layer.mlp(x[None], input_ids=input_ids[None])[0]
         return post.to(dtype).unsqueeze(-1) * mlp_out.unsqueeze(-2) + torch.matmul(
             comb.to(dtype).transpose(-1, -2), hidden)
@@ -156,7 +156,7 @@ class DeepseekV4Runtime:
     def _hyper_connection(self, hc, hidden: torch.Tensor):
         """transformers' DeepseekV4HyperConnection on [T, hc, hidden] with its norm through engine.ops."""
         n = hc.hc_mult
-        flat = ops.rms_norm(hidden.reshape(hidden.size(0), -1).float(), None, self.eps)
+        flat = op("rms_norm")(hidden.reshape(hidden.size(0), -1).float(), None, self.eps)
         mixes = F.linear(flat, hc.fn.float())
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = hc.base.split([n, n, n * n])
@@ -173,7 +173,7 @@ class DeepseekV4Runtime:
         return post, comb, collapsed
 
     def _hyper_head(self, head, hidden: torch.Tensor) -> torch.Tensor:
-        flat = ops.rms_norm(hidden.flatten(1).float(), None, self.eps)
+        flat = op("rms_norm")(hidden.flatten(1).float(), None, self.eps)
         mixes = F.linear(flat, head.hc_fn.float())
         pre = torch.sigmoid(mixes * head.hc_scale.float() + head.hc_base.float()) + head.eps
         return (pre.unsqueeze(-1) * hidden).sum(dim=1).to(hidden.dtype)
@@ -183,10 +183,10 @@ class DeepseekV4Runtime:
         total = x.size(0)
         prefill = meta is None
         cos, sin = rope[attn.rope_layer_type]
-        q_residual = ops.rms_norm(attn.q_a_proj(x), attn.q_a_norm.weight, self.eps)
+        q_residual = op("rms_norm")(attn.q_a_proj(x), attn.q_a_norm.weight, self.eps)
         q = attn.q_b_proj(q_residual).view(total, self.heads, self.head_dim)
-        q = ops.rope(ops.rms_norm(q, None, self.eps), cos, sin)
-        kv = ops.rope(ops.rms_norm(attn.kv_proj(x), attn.kv_norm.weight, self.eps), cos, sin)  # [T, D]
+        q = op("rope")(op("rms_norm")(q, None, self.eps), cos, sin)
+        kv = op("rope")(op("rms_norm")(attn.kv_proj(x), attn.kv_norm.weight, self.eps), cos, sin)  # [T, D]
 
         window = self.stores.window
         if prefill:
@@ -205,7 +205,7 @@ class DeepseekV4Runtime:
             out = self._prefill_attention(layer_idx, attn, q, kv, seqs, entries, selections)
         else:
             out = self._decode_attention(layer_idx, attn, q, meta, selections)
-        out = ops.rope(out, cos, sin, inverse=True)
+        out = op("rope")(out, cos, sin, inverse=True)
         grouped = attn.o_a_proj(out.reshape(total, self.config.o_groups, -1)).flatten(1)
         return attn.o_b_proj(grouped)
 
@@ -285,11 +285,11 @@ class DeepseekV4Runtime:
             state.overlap_gate = chunk_gate[-1, :, :head_dim].clone()
             chunk_kv, chunk_gate = pooled_kv, pooled_gate
         pooled = (chunk_kv * chunk_gate.softmax(dim=1, dtype=torch.float32).to(chunk_kv.dtype)).sum(dim=1)
-        pooled = ops.rms_norm(pooled, norm_weight, self.eps)
+        pooled = op("rms_norm")(pooled, norm_weight, self.eps)
         window_positions = torch.arange(n_win, device=kv.device) * ratio + first_position
         cos, sin = self._cos_sin(window_positions, "compress", pooled.dtype)
         state.entries += n_win
-        return ops.rope(pooled, cos, sin)
+        return op("rope")(pooled, cos, sin)
 
     def _index(self, layer_idx, indexer, x, q_residual, positions, s: SeqStep, visible, prefill: bool):
         """Lightning indexer for one sequence's new tokens: pool its keys, score every stored key,
@@ -304,7 +304,7 @@ class DeepseekV4Runtime:
         keys = store.read(slot, store.slots(s.state.rid, torch.arange(n_keys)))  # [n_keys, index_head_dim]
         cos, sin = self._cos_sin(positions, "compress", x.dtype)
         q = indexer.q_b_proj(q_residual).view(x.size(0), indexer.num_heads, indexer.head_dim)
-        q = ops.rope(q, cos, sin)
+        q = op("rope")(q, cos, sin)
         scorer = indexer.scorer
         # Same contraction shapes as the reference ([1, S, H, d] @ [1, 1, d, T]) so ties break alike.
         scores = torch.matmul(q[None].float(), keys.t().float()[None, None])
@@ -361,7 +361,7 @@ class DeepseekV4Runtime:
         index_length = (index >= 0).sum(dim=1)
         index = index[:, : int(index_length.max())].to(torch.int32).contiguous()
         workspace = torch.cat(parts).to(q.dtype).unsqueeze(1)
-        return sparse_mla_prefill(q, workspace, index, attn.scaling, attn_sink=attn.sinks.detach(),
+        return op("sparse_mla_prefill")(q, workspace, index, attn.scaling, attn_sink=attn.sinks.detach(),
                                   topk_length=index_length.to(torch.int32)).out
 
     def _decode_attention(self, layer_idx, attn, q, meta: DecodeMetadata, selections):
@@ -380,7 +380,7 @@ class DeepseekV4Runtime:
             store = self._compressed_store(layer_type)
             extra = dict(extra_cache=store.cache(self.store_slot[layer_idx]), extra_indices=extra_indices)
         q4 = q.view(meta.batch, meta.s_q, *q.shape[1:])
-        res = sparse_mla_decode(q4, window.cache(layer_idx), meta.window_indices, attn.scaling,
+        res = op("sparse_mla_decode")(q4, window.cache(layer_idx), meta.window_indices, attn.scaling,
                                 plan=meta.plans[layer_type], attn_sink=attn.sinks.detach(), **extra)
         return res.out.flatten(0, 1)
 
@@ -403,8 +403,8 @@ class NextNRuntime:
         collapsed hidden [T, hidden]) for every row."""
         eps = self.main.eps
         layer = self.layer
-        embeds = ops.rms_norm(self.main.model.embed_tokens(input_ids), layer.enorm.weight, eps)
-        x = layer.eh_proj(torch.cat([embeds, ops.rms_norm(hidden, layer.hnorm.weight, eps)], dim=-1))
+        embeds = op("rms_norm")(self.main.model.embed_tokens(input_ids), layer.enorm.weight, eps)
+        x = layer.eh_proj(torch.cat([embeds, op("rms_norm")(hidden, layer.hnorm.weight, eps)], dim=-1))
         streams = x.unsqueeze(1).expand(-1, self.main.config.hc_mult, -1).contiguous()
         rope = self.runtime.rope_tables(positions, x.dtype)
         meta = None if prefill else build_decode_metadata(self.runtime, seqs)
