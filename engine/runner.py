@@ -113,10 +113,15 @@ class SamplingParams:
 
 @dataclass
 class Request:
+    """forced_output_ids (teacher forcing): the max_new_tokens tokens the request emits, in order, in
+    place of its own choices; each step's logits are still the engine's, computed on the prompt and
+    the forced tokens before it (with NextN a draft is accepted iff it equals the forced token)."""
+
     request_id: str
     prompt_ids: list[int]
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
+    forced_output_ids: list[int] | None = None
 
 
 @dataclass
@@ -286,10 +291,24 @@ class Engine:
                 raise ValueError(f"requests[{i}].max_new_tokens: expected an int >= 1, got {r.max_new_tokens!r}")
             if not isinstance(r.sampling, SamplingParams):
                 raise TypeError(f"requests[{i}].sampling: expected a SamplingParams, got {type(r.sampling).__name__}")
+            if r.forced_output_ids is not None:
+                self._check_forced(i, r)
             total = len(r.prompt_ids) + r.max_new_tokens
             if total > self.max_seq_len:
                 raise ValueError(f"requests[{i}]: prompt + max_new_tokens = {total} exceeds max_seq_len "
                                  f"{self.max_seq_len}")
+
+    def _check_forced(self, i: int, r: Request) -> None:
+        forced = r.forced_output_ids
+        if not isinstance(forced, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in forced):
+            raise TypeError(f"requests[{i}].forced_output_ids: expected None or a list of Python ints, got "
+                            f"{type(forced).__name__}")
+        if len(forced) != r.max_new_tokens:
+            raise ValueError(f"requests[{i}].forced_output_ids: expected max_new_tokens = {r.max_new_tokens} "
+                             f"tokens, got {len(forced)}")
+        bad = [t for t in forced if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"requests[{i}].forced_output_ids: tokens outside [0, {self.vocab_size}): {bad[:5]}")
 
     @torch.inference_mode()
     def generate(self, requests: list[Request]) -> list[Completion]:
@@ -373,7 +392,8 @@ class Engine:
         for active, seq, row, token in zip(batch, seqs, logits, next_tokens):
             active.state.length += seq.length
             self._release_window_rows(active)
-            active.output_ids.append(int(token))
+            forced = active.request.forced_output_ids
+            active.output_ids.append(int(token) if forced is None else forced[len(active.output_ids)])
             active.logits.append(row.cpu())
         if prefill and self.nextn:
             start = time.perf_counter()
@@ -458,6 +478,13 @@ class Engine:
             torch.tensor([a.drafts for a in batch], dtype=torch.long, device=device),
             **self._sampling_tensors(batch, [s + 1 for s in starts], device), backend=self.sample_backend)
         tokens, accepted = tokens.tolist(), accepted.tolist()
+        for b, active in enumerate(batch):
+            forced = active.request.forced_output_ids
+            if forced is not None:  # accept the drafts that equal the forced tokens; emit the forced ones
+                ahead = forced[len(active.output_ids):]
+                accepted[b] = next((j for j in range(min(k, len(ahead) - 1)) if active.drafts[j] != ahead[j]),
+                                   min(k, len(ahead) - 1))
+                tokens[b] = ahead[: accepted[b] + 1]
         emitted_total = 0
         for b, active in enumerate(batch):
             kept = accepted[b] + 1  # verified rows that stay: the last token and the accepted drafts

@@ -9,6 +9,10 @@ Sampling: the job's SamplingParams (None: greedy) reach every rank; prompt i sam
 seed + i and the control prompt with seed + len(prompts) on every rank (request_sampling), so
 prompts differ from each other while the control prompt stays identical across ranks.
 
+Teacher forcing (DPJob.forced, per prompt): after serving, each rank runs its share once more with
+Request.forced_output_ids = forced[i], so that a run's logits can be compared step by step along
+given tokens (the report's bf16 gate); that pass is not timed and its tokens are the given ones.
+
 Process group: gloo on CPU. On GPU, rank r runs on cuda:(r % device_count) and the group is NCCL when
 every rank owns a GPU; NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so with more ranks
 than GPUs (8 ranks on 1 or 2 H200s) the group is gloo: it carries only the result gather, never model
@@ -86,6 +90,7 @@ class DPJob:
     timeout_s: float = 600.0
     environ: tuple[tuple[str, str], ...] = ()  # applied in every rank before anything runs
     sampling: SamplingParams | None = None  # None: every request greedy; seeds per request: request_sampling
+    forced: tuple[tuple[int, ...], ...] | None = None  # per prompt: the tokens of the teacher-forced pass
 
     def __post_init__(self):
         if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
@@ -106,6 +111,10 @@ class DPJob:
                 or not pair[0] or "=" in pair[0] or "\0" in pair[0] + pair[1] for pair in self.environ):
             raise ValueError(f"environ: expected a tuple of (name, value) string pairs (names non-empty, without "
                              f"'=' or NUL), got {self.environ!r}")
+        if self.forced is not None and (len(self.forced) != len(self.prompts)
+                                        or any(len(f) != self.max_new_tokens for f in self.forced)):
+            raise ValueError(f"forced: expected one tuple of max_new_tokens = {self.max_new_tokens} tokens per prompt "
+                             f"({len(self.prompts)}), got lengths {[len(f) for f in self.forced]}")
         if self.sampling is not None:
             from engine.runner import SamplingParams
 
@@ -119,7 +128,7 @@ class RankRecord:
     rank: int
     device: str = ""
     ok: bool = False
-    stage: str = "start"  # where the rank was when it stopped: start, init, engine, serve, done
+    stage: str = "start"  # where the rank was when it stopped: start, init, engine, serve, forced, done
     error: dict | None = None  # {"type", "message", "traceback"}
     module_not_found_failures: int = 0  # 1 when a ModuleNotFoundError is anywhere in the rank's errors
     backend: str | None = None
@@ -129,6 +138,7 @@ class RankRecord:
     kernel_source: dict | None = None  # engine.kernel_source.report(): source, commit, digest, fallbacks
     prompt_indices: list[int] = field(default_factory=list)
     completions: dict[str, dict] = field(default_factory=dict)  # request_id -> {output_ids, step_logits}
+    forced_logits: dict[str, Any] = field(default_factory=dict)  # request_id -> step logits of the forced pass
     generated_tokens: int = 0
     serve_seconds: float = 0.0
     tokens_per_s: float = 0.0
@@ -230,6 +240,11 @@ def _serve_share(record: RankRecord, job: DPJob, device: torch.device) -> None:
     record.generated_tokens = sum(len(c.output_ids) for c in completions)
     record.tokens_per_s = record.generated_tokens / record.serve_seconds if record.serve_seconds > 0 else 0.0
     record.engine_stats = _plain(engine.stats())
+    if job.forced is not None and share:
+        record.stage = "forced"
+        forced = engine.generate([Request(prompt_request_id(i), list(job.prompts[i]), job.max_new_tokens,
+                                          forced_output_ids=list(job.forced[i])) for i in record.prompt_indices])
+        record.forced_logits = {c.request_id: c.step_logits.detach().float().cpu().numpy() for c in forced}
     record.stage = "done"
     record.ok = True
 

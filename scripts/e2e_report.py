@@ -15,15 +15,24 @@ logits difference over the steps whose context both share, and fails on neither.
 Prints a Markdown table (stdout) and writes the same content as JSON (schema in docs/e2e.md).
 Exit code 1 when anything failed: a rank failure, a missing completion, a ModuleNotFoundError in a
 rank, DP ranks disagreeing on the control prompt, (float32 greedy only) tokens differing from the
-oracle, or (--compare with DEEPINFER_SPARSE_MLA_BACKEND set: the runs then differ only in the
-sampler's backend) tokens differing between the two runs. bfloat16 runs report the shared-prefix
-length and max logits difference against the oracle instead.
+oracle, (bfloat16) the bf16 gate failing, or (--compare with DEEPINFER_SPARSE_MLA_BACKEND
+set: the runs then differ only in the sampler's backend) tokens differing between the two runs.
+bfloat16 runs report the shared-prefix length and max logits difference against the (bf16) oracle,
+not required to agree.
+
+The bf16 gate (bfloat16 runs): transformers in float32 decodes every prompt greedily (the float32
+oracle); every rank runs its share once more teacher-forced along those tokens; the engine's max and
+mean |logit - float32 oracle logit| over all prompts, steps and logits must each be at most
+GATE_FACTOR times the floor: the same figures of transformers' own bf16 forward, teacher-forced
+along the same tokens, storing what the engine's cache stores (--kv-cache fp8: the fp8 round trip).
+Per-prompt figures are reported.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -274,6 +283,113 @@ def oracle_tokens_compared(settings: dict) -> bool:
     return settings["dtype"] == "float32" and settings["sampling"]["greedy"]
 
 
+# ---------------------------------------------------------------------------------------- bf16 gate
+
+GATE_FACTOR = 2.0  # engine error / transformers' bf16 floor, over all prompts, for the max and the mean
+
+
+def bf16_gate_applies(settings: dict) -> bool:
+    return settings["dtype"] == "bfloat16"
+
+
+def logit_error(logits: np.ndarray, reference: np.ndarray) -> dict:
+    """max and mean |logits - reference| over all steps and the vocabulary."""
+    diff = np.abs(logits.astype(np.float64) - reference.astype(np.float64))
+    return {"max": float(diff.max()), "mean": float(diff.mean())}
+
+
+def _ratios(error: dict, floor: dict) -> dict:
+    return {k: error[k] / floor[k] if floor[k] > 0 else (0.0 if error[k] == 0 else math.inf) for k in ("max", "mean")}
+
+
+def _pooled(errors: list[dict]) -> dict:
+    """Over prompts of equal step counts: the largest max, the mean of the means."""
+    return {"max": max(e["max"] for e in errors), "mean": float(np.mean([e["mean"] for e in errors]))}
+
+
+def bf16_gate_references(checkpoint, prompts: list[list[int]], max_new_tokens: int, kv_cache: str,
+                         device) -> dict:
+    """The gate's references: the float32 oracle (transformers, greedy) and the floor (transformers
+    in bfloat16, teacher-forced along the float32 tokens, its cache storing what the engine's does)."""
+    from engine.model.hf_oracle import hf_greedy, hf_teacher_forced
+
+    start = time.perf_counter()
+    fp32 = hf_greedy(checkpoint, prompts, max_new_tokens, dtype=torch.float32, device=device)
+    tokens = [ids for ids, _ in fp32]
+    floor = hf_teacher_forced(checkpoint, prompts, tokens, dtype=torch.bfloat16, device=device, kv_cache=kv_cache)
+    fp32_logits = [logits.float().numpy() for _, logits in fp32]
+    floors = [logit_error(f.float().numpy(), ref) for f, ref in zip(floor, fp32_logits)]
+    return {
+        "tokens": tokens, "fp32_logits": fp32_logits,
+        "json": {"factor": GATE_FACTOR, "oracle": "transformers DeepseekV4ForCausalLM (eager), float32, greedy",
+                 "floor": "transformers bfloat16 teacher-forced along the oracle's tokens"
+                          + (", its cache storing the fp8 round trip" if kv_cache == "fp8" else ""),
+                 "device": str(device), "seconds": time.perf_counter() - start, "floor_pooled": _pooled(floors),
+                 "prompts": [{"index": i, "output_ids": ids, "floor": f} for i, (ids, f) in enumerate(zip(tokens, floors))]},
+    }
+
+
+def evaluate_bf16_gate(result: serve_dp.DPResult, refs: dict) -> dict:
+    """The engine's teacher-forced logits (each prompt's rank, forced pass) against the float32 oracle,
+    per prompt and pooled over the prompts; the gate holds the pooled max and mean against GATE_FACTOR
+    times the floor's. Per-prompt ratios are reported, not gated: the tiny random model amplifies
+    rounding differences along the steps, and one late step of one prompt can move by several times
+    the floor with correct kernels (docs/e2e.md, "The bf16 gate")."""
+    n = len(result.records)
+    owner = {i: r for r, share in enumerate(serve_dp.round_robin(len(refs["tokens"]), n)) for i in share}
+    rows, failures = [], []
+    for i, (ids, ref, floor_row) in enumerate(zip(refs["tokens"], refs["fp32_logits"], refs["json"]["prompts"])):
+        logits = result.records[owner[i]].forced_logits.get(serve_dp.prompt_request_id(i))
+        row = {"index": i, "rank": owner[i], "floor": floor_row["floor"], "engine": None, "ratio": None,
+               "argmax_agreeing_steps": None, "steps": len(ids)}
+        if logits is None or logits.shape != ref.shape:
+            failures.append(f"bf16 gate: prompt {i}: no teacher-forced logits of shape {ref.shape} (rank {owner[i]})")
+        else:
+            row["engine"] = logit_error(logits, ref)
+            row["ratio"] = _ratios(row["engine"], row["floor"])
+            row["argmax_agreeing_steps"] = int(np.sum(logits.argmax(axis=-1) == np.asarray(ids)))
+        rows.append(row)
+    pooled = None
+    if not failures:
+        engine, floor = _pooled([r["engine"] for r in rows]), refs["json"]["floor_pooled"]
+        pooled = {"engine": engine, "floor": floor, "ratio": _ratios(engine, floor)}
+        if any(r > GATE_FACTOR for r in pooled["ratio"].values()):
+            failures.append(f"bf16 gate: engine |dlogit| vs the float32 oracle, max {engine['max']:.3g} / mean "
+                            f"{engine['mean']:.3g} over {len(rows)} prompts; transformers' bf16 floor "
+                            f"{floor['max']:.3g} / {floor['mean']:.3g}; ratios {pooled['ratio']['max']:.2f} / "
+                            f"{pooled['ratio']['mean']:.2f}, limit {GATE_FACTOR:g}")
+    return {"factor": GATE_FACTOR, "ok": not failures, "pooled": pooled, "prompts": rows, "failures": failures}
+
+
+def add_bf16_gate(run: dict, result: serve_dp.DPResult, refs: dict) -> None:
+    run["bf16_gate"] = evaluate_bf16_gate(result, refs)
+    run["failures"] += run["bf16_gate"]["failures"]
+    run["ok"] = not run["failures"]
+
+
+def _engine_vs_floor(engine: dict, floor: dict, ratio: dict) -> str:
+    return (f"max {engine['max']:.3g} / {floor['max']:.3g} ({ratio['max']:.2f}x), "
+            f"mean {engine['mean']:.3g} / {floor['mean']:.3g} ({ratio['mean']:.2f}x)")
+
+
+def _gate_prompt_cell(row: dict) -> str:
+    if row["engine"] is None:
+        return "no logits"
+    return (_engine_vs_floor(row["engine"], row["floor"], row["ratio"])
+            + f"; argmax {row['argmax_agreeing_steps']}/{row['steps']}")
+
+
+def _gate_summary_cell(run: dict) -> str:
+    gate = run.get("bf16_gate")
+    if gate is None:
+        return "n/a (float32)"
+    if gate["pooled"] is None:
+        return "FAIL (missing logits)"
+    p = gate["pooled"]
+    return (f"{'pass' if gate['ok'] else 'FAIL'}: {_engine_vs_floor(p['engine'], p['floor'], p['ratio'])} "
+            f"over {len(gate['prompts'])} prompts (limit {gate['factor']:g}x)")
+
+
 # ---------------------------------------------------------------------------------------- Markdown
 
 def _cell(value) -> str:
@@ -340,6 +456,8 @@ def render_markdown(report: dict) -> str:
         ("DP ranks agreeing (control prompt)", lambda r: f"{r['control']['agreeing']}/{r['control']['ranks']}"),
         ("control prompt vs oracle", lambda r: _oracle_cell(r["control"]["oracle"], strict)),
         ("answers vs oracle", lambda r: _oracle_summary(r, strict)),
+        ("bf16 gate: teacher-forced logits vs the float32 oracle, engine / transformers' bf16 floor",
+         _gate_summary_cell),
         ("tokens/s per rank", _tokens_per_s_cell),
         ("NextN speculative decoding (DEEPINFER_USE_NEXTN_DECODE)", _nextn_cell),
         ("process group", lambda r: r["dist_backend"]),
@@ -348,16 +466,19 @@ def render_markdown(report: dict) -> str:
     for name, get in summary:
         lines.append(f"| {name} | " + " | ".join(_cell(get(r)) for r in runs) + " |")
 
+    gated = [r for r in runs if "bf16_gate" in r]
     lines += ["", "| prompt | rank | prompt text | " + " | ".join(
         f"answer ({_cell(r['label'])}) | vs oracle ({_cell(r['label'])})" for r in runs)
+        + "".join(f" | bf16 gate ({_cell(r['label'])}): engine / floor" for r in gated)
         + (" | shared prefix between runs |" if report["compare"] else " |")]
-    lines.append("|---|---|---|" + "---|---|" * len(runs) + ("---|" if report["compare"] else ""))
+    lines.append("|---|---|---|" + "---|---|" * len(runs) + "---|" * len(gated) + ("---|" if report["compare"] else ""))
     for i, base in enumerate(runs[0]["prompts"]):
         cells = [str(i), str(base["rank"]), _cell(short_text(base["prompt_text"]))]
         for r in runs:
             p = r["prompts"][i]
             cells += [_cell(short_text(p["text"])) if p["text"] is not None else "no answer",
                       _cell(_oracle_cell(p["oracle"], strict))]
+        cells += [_cell(_gate_prompt_cell(r["bf16_gate"]["prompts"][i])) for r in gated]
         if report["compare"]:
             c = report["compare"]["prompts"][i]
             cells.append("n/a" if c["shared_prefix"] is None else f"{c['shared_prefix']}/{c['steps']}")
@@ -437,7 +558,7 @@ def main(argv=None) -> int:
                      "gpus": torch.cuda.device_count() if device == "cuda" else 0, "compare": args.compare,
                      "timeout_s": args.timeout, "environ": env, "checkpoint": None,
                      "torch": torch.__version__, "sampling": sampling_settings(args.sampling, args.prompts)},
-        "oracle": None, "runs": [], "compare": None,
+        "oracle": None, "bf16_gate": None, "runs": [], "compare": None,
     }
     stage = "checkpoint"
     try:
@@ -471,18 +592,29 @@ def main(argv=None) -> int:
         progress(f"oracle: transformers eager, {args.dtype} on {oracle_device}, "
                  f"{len(oracle)} prompts x {args.max_new_tokens} tokens ({report['oracle']['seconds']:.1f} s)")
 
+        gate_refs = None
+        if bf16_gate_applies(report["settings"]):
+            stage = "bf16 gate references"
+            gate_refs = bf16_gate_references(checkpoint, prompts, args.max_new_tokens, args.kv_cache, oracle_device)
+            report["bf16_gate"] = gate_refs["json"]
+            progress(f"bf16 gate references: transformers float32 greedy + bfloat16 teacher-forced on {oracle_device} "
+                     f"({gate_refs['json']['seconds']:.1f} s)")
+
         factory = serve_dp.EngineFactory(str(checkpoint), dtype, args.kv_cache)
         runs = COMPARE_RUNS if args.compare else (("as configured", {}),)
         for label, environ in runs:
             stage = f"serve ({label})"
             job = serve_dp.DPJob(factory, tuple(map(tuple, prompts)), tuple(control), args.max_new_tokens,
                                  ranks=args.ranks, device_type=device, timeout_s=args.timeout,
-                                 environ=tuple(environ.items()), sampling=args.sampling)
+                                 environ=tuple(environ.items()), sampling=args.sampling,
+                                 forced=None if gate_refs is None else tuple(map(tuple, gate_refs["tokens"])))
             progress(f"serve ({label}): {args.ranks} ranks on {device}, "
                      f"env {environ or 'as given'}, timeout {args.timeout:.0f} s")
             result = serve_dp.serve(job, progress=lambda m, label=label: progress(f"serve ({label}): {m}"))
             run = evaluate_run(label, environ, result, prompts, oracle, oracle_tokens_compared(report["settings"]),
                                tokenizer.decode)
+            if gate_refs is not None:
+                add_bf16_gate(run, result, gate_refs)
             report["runs"].append(run)
             progress(f"serve ({label}): {'ok' if run['ok'] else 'FAILED'} in {result.wall_seconds:.1f} s; "
                      f"backend {run['backend_summary']}; control {run['control']['agreeing']}/{args.ranks}")

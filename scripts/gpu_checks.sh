@@ -4,7 +4,7 @@
 # codes ends the output, and the script exits nonzero if any step failed.
 #   bash scripts/gpu_checks.sh LOGDIR STEP [STEP...]
 # steps: compile tests tests-no-tilelang engine memcheck ab bench sweep decode flashmla gather e2e
-#        e2e-rank-per-gpu e2e-fp8 e2e-fp32 e2e-nextn e2e-sampled sample e2e-hub
+#        e2e-rank-per-gpu e2e-fp8 e2e-fp32 e2e-nextn e2e-sampled long-context sample e2e-hub
 # A TileLang bundle at .tilelang_bundle/*.tar.xz (scripts/tilelang_bundle.sh) is installed first; the
 # built FlashMLA package at .flashmla/flash_mla_sm90_pkg.tar.xz (the peer scripts/bench_flash_mla.py
 # measures against) is unpacked and put on the path.
@@ -80,6 +80,9 @@ for s in "$@"; do
                 --ranks "$(python3 -c 'import torch; print(torch.cuda.device_count())')" \
                 --json "$logdir/e2e_rank_per_gpu.json" ;;
         e2e-fp8) step e2e_fp8 400 bash scripts/h20_e2e_report.sh --compare --kv-cache fp8 --json "$logdir/e2e_fp8.json" ;;
+        # a 65500-token prompt, 64 steps: TileLang and Triton, fp8 and bf16 caches, vs the float32 oracle run
+        long-context) step long_context 580 python3 scripts/long_context_check.py --backends tilelang,triton \
+                --json "$logdir/long_context.json" ;;
         # float32: the TileLang sparse MLA kernels are bf16-only, so attention is pinned to Triton and the
         # two runs differ in the sampler's backend only (the comparison is then required)
         e2e-fp32) step e2e_fp32 450 env DEEPINFER_SPARSE_MLA_BACKEND=triton bash scripts/h20_e2e_report.sh --dtype float32 \

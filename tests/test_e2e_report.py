@@ -412,6 +412,13 @@ def test_dpjob_refuses_a_bad_environ():
     DPJob(FakeFactory(), PROMPTS, CONTROL, 5, environ=(("DEEPINFER_FLAG", "1"),))
 
 
+def test_dpjob_refuses_forced_tokens_of_the_wrong_shape():
+    for forced in (((1, 2, 3, 4, 5),), tuple((1, 2, 3, 4) for _ in PROMPTS)):
+        with pytest.raises(ValueError, match=r"^forced: expected one tuple of max_new_tokens = 5 tokens per prompt"):
+            DPJob(FakeFactory(), PROMPTS, CONTROL, 5, forced=forced)
+    DPJob(FakeFactory(), PROMPTS, CONTROL, 5, forced=tuple((1, 2, 3, 4, 5) for _ in PROMPTS))
+
+
 def test_short_answers_fail_every_mode():
     """The engine ignores EOS, so every answer has max_new_tokens tokens; a rank that returns fewer
     fails the run also where tokens are not compared with the oracle (bf16, sampled)."""
@@ -480,3 +487,51 @@ def test_sampled_compare_report_agrees_token_by_token(tmp_path, monkeypatch, cap
     assert "| sampling | temperature 0.8, top-k off, top-p 0.9; seeds prompt i: 1 + i; control prompt: 3; " \
            "sampler ref x2 |" in stdout
     assert "Token identity between the runs: required" in stdout and "Sampled decoding: the oracle is greedy" in stdout
+
+
+def _bf16_report(tmp_path, name, monkeypatch, capsys):
+    monkeypatch.setenv("DEEPINFER_SIMULATE_NO_TILELANG", "1")  # the CI default: Triton under its interpreter
+    monkeypatch.setenv("DEEPINFER_KERNELS", "ref")
+    monkeypatch.setenv("DEEPINFER_OPS_STRICT", "1")
+    for var in ("DEEPINFER_SPARSE_MLA_BACKEND", "DEEPINFER_USE_NEXTN_DECODE"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / f"{name}.json"
+    code = e2e_report.main(["--dtype", "bfloat16", "--ranks", "1", "--prompts", "1", "--max-new-tokens", "3",
+                            "--json", str(out), "--timeout", "300"])
+    return code, json.loads(out.read_text()), capsys.readouterr().out
+
+
+def test_bf16_gate_passes_the_shipped_kernels_and_fails_a_sink_applied_twice(tmp_path, monkeypatch, capsys):
+    """Issue 34: the bf16 report's gate at CI scale (1 rank, 1 prompt, 3 tokens; the Triton kernel under
+    its interpreter). The engine's teacher-forced logits against the float32 oracle stay within 2x
+    transformers' bf16 floor with the shipped kernels; with the sink applied twice in every launch
+    (tests/broken_kernels.py, installed in the rank) the gate fails the report, and nothing else does."""
+    import functools
+
+    import broken_kernels
+
+    code, report, stdout = _bf16_report(tmp_path, "shipped", monkeypatch, capsys)
+    assert code == 0 and report["ok"], report["failures"]
+    refs = report["bf16_gate"]
+    assert refs["factor"] == e2e_report.GATE_FACTOR == 2.0 and "float32" in refs["oracle"]
+    (ref_prompt,) = refs["prompts"]
+    assert len(ref_prompt["output_ids"]) == 3 and ref_prompt["floor"]["max"] > 0
+    (run,) = report["runs"]
+    gate = run["bf16_gate"]
+    assert gate["ok"] and gate["failures"] == [] and run["backend_summary"] == "triton x1"
+    (row,) = gate["prompts"]
+    assert row["floor"] == ref_prompt["floor"] and row["steps"] == 3 and 0 <= row["argmax_agreeing_steps"] <= 3
+    assert gate["pooled"]["floor"] == refs["floor_pooled"]
+    assert all(0 < r <= 2.0 for r in gate["pooled"]["ratio"].values())
+    assert "| bf16 gate: teacher-forced logits vs the float32 oracle, engine / transformers' bf16 floor | pass: max" \
+        in stdout and "bf16 gate (as configured): engine / floor" in stdout
+
+    monkeypatch.setattr(e2e_report.serve_dp, "EngineFactory",
+                        functools.partial(broken_kernels.BrokenKernelEngineFactory, breakage="sink_applied_twice"))
+    code, report, stdout = _bf16_report(tmp_path, "broken", monkeypatch, capsys)
+    (run,) = report["runs"]
+    assert code == 1 and not report["ok"] and not run["bf16_gate"]["ok"]
+    assert run["control"]["agreeing"] == 1 and run["ranks"][0]["ok"]
+    assert [f for f in report["failures"] if "bf16 gate" not in f] == []
+    assert max(run["bf16_gate"]["pooled"]["ratio"].values()) > 2.0
+    assert "| bf16 gate: teacher-forced logits vs the float32 oracle, engine / transformers' bf16 floor | FAIL:" in stdout

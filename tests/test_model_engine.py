@@ -23,7 +23,7 @@ from engine.h20_ops import kv_cache
 from engine.h20_ops.attention import dispatch
 from engine.kv_store import PagedRows
 from engine.model import tiny
-from engine.model.hf_oracle import hf_greedy, hf_teacher_forced
+from engine.model.hf_oracle import fp8_round_trip, hf_greedy, hf_teacher_forced
 from engine.runner import Completion, Engine, Request
 
 FP32_LOGITS_ATOL = 2e-3  # logits are O(10); fp32 summation-order differences stay ~1e-4
@@ -216,6 +216,57 @@ def test_hf_teacher_forced_along_greedy_tokens_is_greedy(checkpoint, prompts, or
         hf_teacher_forced(checkpoint, [prompts["short"][0]], [])
 
 
+def test_engine_teacher_forced(checkpoint, prompts, backend_env):
+    """Request.forced_output_ids: along the engine's own greedy tokens the engine computes the same
+    steps (equal logits); along other tokens (step 1 changed) its logits match transformers
+    teacher-forced along them, also with NextN decoding, whose drafts are accepted only where they
+    equal the forced tokens. Bad forced tokens are refused, naming the request and what was expected."""
+    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+    names = ["text", "short"]
+    free = Engine(checkpoint).generate([Request(n, prompts[n][0], 4) for n in names])
+    again = Engine(checkpoint).generate([Request(n, prompts[n][0], 4, forced_output_ids=c.output_ids)
+                                         for n, c in zip(names, free)])
+    for c, f in zip(free, again):
+        assert f.output_ids == c.output_ids and torch.equal(f.step_logits, c.step_logits), c.request_id
+    other = [[c.output_ids[0], (c.output_ids[1] + 1) % c.step_logits.size(-1), *c.output_ids[2:]] for c in free]
+    expected = hf_teacher_forced(checkpoint, [prompts[n][0] for n in names], other)
+    for nextn in ("0", "1"):
+        backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE=nextn)
+        engine = Engine(checkpoint)
+        done = engine.generate([Request(n, prompts[n][0], 4, forced_output_ids=o) for n, o in zip(names, other)])
+        for d, o, e in zip(done, other, expected):
+            assert d.output_ids == o
+            diff = float((d.step_logits - e).abs().max())
+            assert diff < FP32_LOGITS_ATOL, f"{d.request_id} (NextN {nextn}): logits differ by {diff}"
+        assert (engine.stats().get("draft_tokens", 0) > 0) == (nextn == "1")
+        _all_pages_free(engine)
+    engine = Engine(checkpoint)
+    for forced, error, message in (([1, 2], ValueError, r"requests\[0\]\.forced_output_ids: expected max_new_tokens "
+                                                       r"= 3 tokens, got 2"),
+                                   ([1, 2, 512], ValueError, r"forced_output_ids: tokens outside \[0, 512\): \[512\]"),
+                                   ((1, 2, 3), TypeError, "forced_output_ids: expected None or a list of Python ints"),
+                                   ([1, True, 3], TypeError, "forced_output_ids: expected None or a list")):
+        with pytest.raises(error, match=message):
+            engine.generate([Request("bad", [1, 2], 3, forced_output_ids=forced)])
+
+
+def test_hf_chunked_prefill_equals_one_forward(checkpoint, prompts, oracle):
+    """prefill_chunk feeds the prompt through transformers' own cache in pieces (what a 64K-token prompt
+    needs: one eager forward over L tokens holds [heads, L, L] scores): the same tokens and logits to
+    float32 rounding, with pieces that divide the 190-token prompt unevenly (64, 100) and one piece."""
+    prompt, steps = prompts["long"]
+    tokens, logits = oracle["long"]
+    for chunk in (64, 100, 190):
+        (chunked_tokens, chunked_logits), = hf_greedy(checkpoint, [prompt], steps, prefill_chunk=chunk)
+        assert chunked_tokens == tokens, chunk
+        diff = float((chunked_logits - logits).abs().max())
+        assert diff < FP32_LOGITS_ATOL, f"prefill_chunk {chunk}: logits differ by {diff}"
+    with pytest.raises(ValueError, match="prefill_chunk: expected None or an int >= 1, got 0"):
+        hf_greedy(checkpoint, [prompt], 1, prefill_chunk=0)
+    with pytest.raises(ValueError, match="kv_cache: expected one of auto, fp8, got 'bf16'"):
+        hf_teacher_forced(checkpoint, [prompt], [[1]], kv_cache="bf16")
+
+
 def test_oracle_in_bf16_names_the_transformers_it_needs(checkpoint, monkeypatch):
     """transformers 5.17-5.19 cannot run DeepSeek-V4's forward in bf16: the oracle says so before
     loading, naming dtype, the installed and the needed release (float32 stays allowed)."""
@@ -230,19 +281,9 @@ def test_oracle_in_bf16_names_the_transformers_it_needs(checkpoint, monkeypatch)
         assert oracle_call(torch.float32) is not None
 
 
-def _fp8_round_trip(x):
-    """x [..., 512] -> what a MODEL1 fp8 cache returns for it (the fp8 quantizer's torch reference)."""
-    rows = x.reshape(-1, x.size(-1))
-    n = rows.size(0)
-    cache = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, max(1, -(-n // 64)), 64, x.device)
-    slots = torch.arange(n, device=x.device)
-    kv_cache.quantize_into_cache_ref(cache, slots, rows[:, None].float().contiguous())
-    return kv_cache.dequantize_from_cache_ref(cache, slots, x.dtype).reshape(x.shape)
-
-
 def test_engine_fp8_kv_cache_holds_the_reference_round_trip(checkpoint, prompts, backend_env, monkeypatch):
     """The fp8 (MODEL1) stores return exactly the fp8 quantizer's torch reference round trip of the rows the
-    engine writes: an engine with model-dtype stores that keep _fp8_round_trip(rows) in the window
+    engine writes: an engine with model-dtype stores that keep fp8_round_trip(rows) in the window
     and compressed stores (indexer keys stay exact in both) computes every value before a store the
     same way, so its logits and tokens must be bit-identical to the fp8 engine's."""
     backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref")  # kv_quantize / gather_dequant: the Triton kernels
@@ -257,10 +298,10 @@ def test_engine_fp8_kv_cache_holds_the_reference_round_trip(checkpoint, prompts,
     write_at, roundtrip = PagedRows.write_at, PagedRows.roundtrip
 
     def write_rounded(self, layer, slots, values):  # every store write goes through write_at
-        write_at(self, layer, slots, _fp8_round_trip(values) if self.name in quantized else values)
+        write_at(self, layer, slots, fp8_round_trip(values) if self.name in quantized else values)
 
     def roundtrip_rounded(self, values):
-        return roundtrip(self, _fp8_round_trip(values) if self.name in quantized else values)
+        return roundtrip(self, fp8_round_trip(values) if self.name in quantized else values)
 
     monkeypatch.setattr(PagedRows, "write_at", write_rounded)
     monkeypatch.setattr(PagedRows, "roundtrip", roundtrip_rounded)
@@ -271,14 +312,11 @@ def test_engine_fp8_kv_cache_holds_the_reference_round_trip(checkpoint, prompts,
             f"{name}: logits differ by {float((completion.step_logits - expected.step_logits).abs().max())}"
 
 
-def test_engine_fp8_kv_cache_matches_fp8_emulating_oracle(checkpoint, prompts, backend_env, monkeypatch):
-    """fp8 (MODEL1) KV cache vs transformers' model patched to store exactly what an fp8 cache
-    returns (window K=V rows and compressed entries quantized on their way into its cache; indexer
-    keys stay exact, as in the engine), both fed the engine's tokens (teacher forcing): logits within
-    FP8_LOGITS_ATOL, while the quantization itself moves them by much more."""
-    from transformers import cache_utils
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
-
+def test_engine_fp8_kv_cache_matches_fp8_emulating_oracle(checkpoint, prompts, backend_env):
+    """fp8 (MODEL1) KV cache vs transformers' model storing exactly what an fp8 cache returns
+    (hf_oracle's kv_cache="fp8": window K=V rows and compressed entries quantized on their way into
+    its cache; indexer keys stay exact, as in the engine), both fed the engine's tokens (teacher
+    forcing): logits within FP8_LOGITS_ATOL, while the quantization itself moves them by much more."""
     backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
     names = ["text", "long"]
     engine = Engine(checkpoint, kv_cache_dtype="fp8")
@@ -287,25 +325,9 @@ def test_engine_fp8_kv_cache_matches_fp8_emulating_oracle(checkpoint, prompts, b
     prompt_ids = [prompts[n][0] for n in names]
     continuations = [c.output_ids for c in completions]
     exact = hf_teacher_forced(checkpoint, prompt_ids, continuations)
-
-    def quantized_update(original):
-        def update(self, key_states, value_states, *args, **kwargs):
-            kv = _fp8_round_trip(key_states)  # K = V in DeepSeek-V4
-            return original(self, kv, kv, *args, **kwargs)
-        return update
-
-    def quantized_entries(self, name, compressed):
-        if name == "compressor":
-            compressed = _fp8_round_trip(compressed)
-        return original_entries(self, name, compressed)
-
-    original_entries = v4.DeepseekV4HCACache.update_compressor_states
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cache_utils.DynamicSlidingWindowLayer, "update",
-                      quantized_update(cache_utils.DynamicSlidingWindowLayer.update))
-        patch.setattr(v4.DeepseekV4HCACache, "update", quantized_update(v4.DeepseekV4HCACache.update))
-        patch.setattr(v4.DeepseekV4HCACache, "update_compressor_states", quantized_entries)
-        emulated = hf_teacher_forced(checkpoint, prompt_ids, continuations)
+    emulated = hf_teacher_forced(checkpoint, prompt_ids, continuations, kv_cache="fp8")
+    assert torch.equal(hf_teacher_forced(checkpoint, prompt_ids[:1], continuations[:1])[0], exact[0]), \
+        "the emulation's patches must be undone afterwards"
     for name, completion, logits, exact_logits in zip(names, completions, emulated, exact):
         diff = float((completion.step_logits - logits).abs().max())
         effect = float((logits - exact_logits).abs().max())
