@@ -97,11 +97,15 @@ class PagedRows:
         self.reserved_total += 1
 
     def release_rows_before(self, rid: str, row: int) -> None:
-        """Give back the pages whose rows all lie before `row` (rows that left the window)."""
+        """Give back the pages whose rows all lie before `row` (rows that left the window). A request's
+        held pages are one run (prefill backs a tail, decoding appends, this releases from the front), so
+        the walk goes back from the last such page to the first one already free (once per step, it
+        visits only the pages it frees)."""
         table = self._tables[rid]
-        for logical in range(min(row // self.page_size, len(table))):
-            if table[logical] >= 0:
-                self._give_back(rid, table, logical)
+        for logical in range(min(row // self.page_size, len(table)) - 1, -1, -1):
+            if table[logical] < 0:
+                break
+            self._give_back(rid, table, logical)
 
     def truncate(self, rid: str, end_row: int) -> None:
         """Forget rows end_row and later: give back the pages that hold only such rows (speculative
@@ -213,7 +217,10 @@ class CompressorRows:
     the open window at slot position % ratio (kv and gate [rows, ratio, width], the gate without the
     position bias), and for the overlapping ratio-4 compressors the previous complete window's first
     series (overlap_kv and overlap_gate [rows, ratio, head_dim], the gate with the position bias; kv 0 and
-    gate -inf before the first window closes). The entry count is not kept: it is length // ratio."""
+    gate -inf before the first window closes). kv in the model's dtype; the gates in the dtype of gate +
+    position bias (float32 where transformers keeps the bias in float32, as DeepSeek-V4 does), so that
+    adding the bias later gives what adding it at once gave. The entry count is not kept: it is
+    length // ratio."""
 
     ratio: int
     head_dim: int
@@ -234,23 +241,23 @@ class CompressorStates:
     """Device state rows of every compressor of the model, one row per running request plus one scratch
     row (the state row of a decode step's padding rows, never read for a request)."""
 
-    def __init__(self, specs: dict[tuple[int, str], tuple[int, int, bool]], *, num_rows: int, dtype: torch.dtype,
-                 device):
-        """specs: (layer, name) -> (ratio, head_dim, overlap); a source token is 2 * head_dim wide where
-        the windows overlap, else head_dim."""
+    def __init__(self, specs: dict[tuple[int, str], tuple[int, int, bool, torch.dtype]], *, num_rows: int,
+                 dtype: torch.dtype, device):
+        """specs: (layer, name) -> (ratio, head_dim, overlap, gate dtype); a source token is 2 * head_dim
+        wide where the windows overlap, else head_dim; kv rows in `dtype`."""
         self.scratch_row = num_rows
         self.layers: dict[tuple[int, str], CompressorRows] = {}
-        for key, (ratio, head_dim, overlap) in specs.items():
+        for key, (ratio, head_dim, overlap, gate_dtype) in specs.items():
             width = 2 * head_dim if overlap else head_dim
             shape = (num_rows + 1, ratio, width)
             if overlap:
                 extra = dict(overlap_kv=torch.zeros((num_rows + 1, ratio, head_dim), dtype=dtype, device=device),
-                             overlap_gate=torch.full((num_rows + 1, ratio, head_dim), float("-inf"), dtype=dtype,
-                                                     device=device))
+                             overlap_gate=torch.full((num_rows + 1, ratio, head_dim), float("-inf"),
+                                                     dtype=gate_dtype, device=device))
             else:
                 extra = dict(overlap_kv=None, overlap_gate=None)
             self.layers[key] = CompressorRows(ratio, head_dim, torch.zeros(shape, dtype=dtype, device=device),
-                                              torch.zeros(shape, dtype=dtype, device=device), **extra)
+                                              torch.zeros(shape, dtype=gate_dtype, device=device), **extra)
         self._free = list(range(num_rows - 1, -1, -1))
         self._rows: dict[str, int] = {}
 

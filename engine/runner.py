@@ -197,7 +197,7 @@ class Engine:
         self.window = cfg.sliding_window
         self.ratios = {kind: cfg.compress_rates[kind] for kind in (CSA, HCA)}
         self.stores = self._build_stores(cfg)
-        specs = compressor_specs(cfg)
+        specs = compressor_specs(self.hf_model)
         self.compressor_states = (CompressorStates(specs, num_rows=max_batch_size, dtype=dtype, device=self.device)
                                   if specs else None)
         self.runtime = DeepseekV4Runtime(self.hf_model, self.stores, max_batch=max_batch_size,

@@ -77,7 +77,7 @@ def test_compressor_decode_steps_equal_prefill_bit_for_bit(env, ratio, overlap):
     gate = [torch.randn(n, width, generator=g) for n in lengths]
     bias = torch.randn(ratio, width, generator=g)
     norm = torch.randn(head_dim, generator=g) * 0.1 + 1
-    spec = {(0, "c"): (ratio, head_dim, overlap)}
+    spec = {(0, "c"): (ratio, head_dim, overlap, torch.float32)}
 
     reference = CompressorStates(spec, num_rows=3, dtype=torch.float32, device="cpu")
     ref_rows = reference.rows(0, "c")

@@ -139,11 +139,12 @@ def _window(runtime, rids, starts: np.ndarray, positions: np.ndarray):
     return _slots(tables, positions, store.page_size), np.where(valid, slots, -1)
 
 
-def _entry_table(store, rids, counts: np.ndarray, width: int) -> np.ndarray:
-    """[B, width] slots of each request's entries after this step (backed now), -1 past its count."""
-    for rid, n in zip(rids, counts.tolist()):
-        if n:
-            store.ensure_rows(rid, 0, n)
+def _entry_table(store, rids, before: np.ndarray, counts: np.ndarray, width: int) -> np.ndarray:
+    """[B, width] slots of each request's entries after this step, -1 past its count; the entries this step
+    completes (before .. counts - 1; the earlier ones are held) are backed now."""
+    for rid, first, n in zip(rids, before.tolist(), counts.tolist()):
+        if n > first:
+            store.ensure_rows(rid, first, n)
     tables = store.page_tables(rids, -(-width // store.page_size))
     ids = np.broadcast_to(np.arange(width), (len(rids), width))
     return np.where(ids < counts[:, None], _slots(tables, ids, store.page_size), -1)
@@ -187,14 +188,14 @@ def build_decode_inputs(runtime, seqs, input_ids) -> DecodeInputs:
         counts = (starts + s_q) // ratio
         csa_width = entry_width(int(counts.max()))
         for name, store in (("csa", stores.csa), ("indexer", stores.indexer)):
-            table = _entry_table(store, rids, counts, csa_width)
+            table = _entry_table(store, rids, starts // ratio, counts, csa_width)
             parts[f"{name}_entries"] = _padded(table, padded, -1)
             parts[f"{name}_writes"] = _padded(_entry_writes(table, positions, ratio), padded, -1)
     if stores.hca is not None:
         ratio = runtime.ratio[HCA]
         counts = (starts + s_q) // ratio
         hca_width = entry_width(int(counts.max()))
-        table = _entry_table(stores.hca, rids, counts, hca_width)
+        table = _entry_table(stores.hca, rids, starts // ratio, counts, hca_width)
         visible = (positions + 1) // ratio
         lists = np.where(np.arange(hca_width) < visible[..., None], table[:, None, :], -1)
         parts["hca"] = _padded(lists, padded, -1)

@@ -77,16 +77,23 @@ class _Journaled:
     store: PagedRows
 
 
-def compressor_specs(cfg) -> dict[tuple[int, str], tuple[int, int, bool]]:
-    """(layer, "compressor" | "indexer") -> (ratio, head_dim, overlapping windows) of every compressor of
-    the model (engine.kv_store.CompressorStates)."""
+def compressor_specs(hf_model) -> dict[tuple[int, str], tuple[int, int, bool, torch.dtype]]:
+    """(layer, "compressor" | "indexer") -> (ratio, head_dim, overlapping windows, gate dtype) of every
+    compressor of transformers' model (engine.kv_store.CompressorStates); the gate dtype is that of
+    gate + position bias (the bias is kept in float32 in a bf16 model)."""
+    cfg = hf_model.config
     specs = {}
-    for layer, kind in enumerate(cfg.layer_types):
+    for layer, (kind, module) in enumerate(zip(cfg.layer_types, hf_model.model.layers)):
+        if kind == SLIDING:
+            continue
+        comp = module.self_attn.compressor
+        dtype = comp.kv_proj.weight.dtype
+        gate = torch.promote_types(dtype, comp.position_bias.dtype)
+        specs[(layer, "compressor")] = (cfg.compress_rates[kind], cfg.head_dim, kind == CSA, gate)
         if kind == CSA:
-            specs[(layer, "compressor")] = (cfg.compress_rates[CSA], cfg.head_dim, True)
-            specs[(layer, "indexer")] = (cfg.compress_rates[CSA], cfg.index_head_dim, True)
-        elif kind == HCA:
-            specs[(layer, "compressor")] = (cfg.compress_rates[HCA], cfg.head_dim, False)
+            indexer = comp.indexer
+            specs[(layer, "indexer")] = (cfg.compress_rates[CSA], cfg.index_head_dim, True,
+                                         torch.promote_types(dtype, indexer.position_bias.dtype))
     return specs
 
 
