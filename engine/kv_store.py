@@ -64,6 +64,11 @@ class PagedRows:
         self._tables: dict[str, list[int]] = {}  # logical page -> physical page (-1: released)
         self._reserved: dict[str, int] = {}  # pages a request may still take
         self.reserved_total = 0
+        # The tables again as rows of one host array (-1 past a table's end), kept in step with them, so
+        # that a decode step reads every request's table with one index (page_tables).
+        self._array = np.full((8, 16), -1, dtype=np.int64)
+        self._array_row: dict[str, int] = {}
+        self._free_array_rows = list(range(7, -1, -1))
 
     # --- capacity -------------------------------------------------------------------------
     def pages_for_rows(self, n_rows: int) -> int:
@@ -82,17 +87,33 @@ class PagedRows:
         self._tables[rid] = []
         self._reserved[rid] = max_pages
         self.reserved_total += max_pages
+        if not self._free_array_rows:
+            n = self._array.shape[0]
+            self._array = np.concatenate([self._array, np.full_like(self._array, -1)])
+            self._free_array_rows = list(range(2 * n - 1, n - 1, -1))
+        self._array_row[rid] = self._free_array_rows.pop()
 
     def drop(self, rid: str) -> None:
         table = self._tables.pop(rid)
         self._free.extend(p for p in table if p >= 0)
         self.reserved_total -= self._reserved.pop(rid)
+        row = self._array_row.pop(rid)
+        self._array[row] = -1
+        self._free_array_rows.append(row)
+
+    def _set_page(self, rid: str, table: list[int], logical: int, page: int) -> None:
+        table[logical] = page
+        if logical >= self._array.shape[1]:
+            grown = np.full((self._array.shape[0], 2 * (logical + 1)), -1, dtype=np.int64)
+            grown[:, : self._array.shape[1]] = self._array
+            self._array = grown
+        self._array[self._array_row[rid], logical] = page
 
     def _give_back(self, rid: str, table: list[int], logical: int) -> None:
         """Free one held page; it returns to the request's reservation (which bounds the pages
         held at once, not the pages taken over the request's lifetime)."""
         self._free.append(table[logical])
-        table[logical] = -1
+        self._set_page(rid, table, logical, -1)
         self._reserved[rid] += 1
         self.reserved_total += 1
 
@@ -135,16 +156,33 @@ class PagedRows:
                 raise CacheCapacityError(f"{self.name}: request {rid!r} exceeded its page reservation")
             self._reserved[rid] -= 1
             self.reserved_total -= 1
-            table[logical] = self._free.pop()
+            self._set_page(rid, table, logical, self._free.pop())
+
+    def ensure_rows_of(self, rids: list[str], first_rows: np.ndarray, end_rows: np.ndarray) -> None:
+        """ensure_rows(rids[i], first_rows[i], end_rows[i]) for every i, where a range is at most one page
+        longer than a page (a decode step's new rows or entries): the requests whose first and last
+        page are already held (so every page between: a request holds one run of pages) are found in
+        one array lookup; only the others go through ensure_rows."""
+        todo = end_rows > first_rows
+        if not todo.any():
+            return
+        first = first_rows // self.page_size
+        last = (np.maximum(end_rows, 1) - 1) // self.page_size
+        tables = self.page_tables(rids, int(last.max()) + 1)
+        held = ((np.take_along_axis(tables, first[:, None], axis=1)[:, 0] >= 0)
+                & (np.take_along_axis(tables, last[:, None], axis=1)[:, 0] >= 0))
+        for i in np.flatnonzero(todo & ~held).tolist():
+            self.ensure_rows(rids[i], int(first_rows[i]), int(end_rows[i]))
 
     # --- rows ---------------------------------------------------------------------------
     def page_tables(self, rids: list[str], width: int) -> np.ndarray:
         """The requests' page tables as one host array [len(rids), width] int64: logical page -> physical
         page, -1 where a request holds none (released, never backed, or past its table)."""
+        rows = [self._array_row[rid] for rid in rids]
+        if width <= self._array.shape[1]:
+            return self._array[rows, :width]
         tables = np.full((len(rids), width), -1, dtype=np.int64)
-        for i, rid in enumerate(rids):
-            table = self._tables[rid][:width]
-            tables[i, :len(table)] = table
+        tables[:, : self._array.shape[1]] = self._array[rows]
         return tables
 
     def slots(self, rid: str, rows: torch.Tensor) -> torch.Tensor:

@@ -203,6 +203,11 @@ class Engine:
         self.runtime = DeepseekV4Runtime(self.hf_model, self.stores, max_batch=max_batch_size,
                                          compressor_states=self.compressor_states)
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and kv_cache_dtype == "fp8" and config.kernels() == "ref":
+            # Fail here, not in the first capture: the reference quantizer picks the valid slots by a mask.
+            raise ValueError("cuda_graphs: DEEPINFER_KERNELS=ref writes the fp8 cache with the quantizer's torch "
+                             "reference, which selects valid slots by a boolean mask (a host sync no CUDA graph "
+                             "captures): pass cuda_graphs=False, or use DEEPINFER_KERNELS=triton")
         if self.cuda_graphs:
             self.runtime.graphs = DecodeGraphs(self.runtime)
         self.nextn_window: PagedRows | None = None

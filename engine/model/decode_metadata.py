@@ -126,9 +126,7 @@ def _slots(tables: np.ndarray, rows: np.ndarray, page_size: int) -> np.ndarray:
 def _window(runtime, rids, starts: np.ndarray, positions: np.ndarray):
     """The write slots [B, s_q] and the window lists [B, s_q, W] (backing the written rows first)."""
     store, w = runtime.stores.window, runtime.window
-    s_q = positions.shape[1]
-    for rid, start in zip(rids, starts.tolist()):
-        store.ensure_rows(rid, start, start + s_q)
+    store.ensure_rows_of(rids, starts, starts + positions.shape[1])
     tables = store.page_tables(rids, int(positions.max()) // store.page_size + 1)
     first = np.maximum(0, positions - w + 1)
     rows = first[..., None] + np.arange(w)
@@ -142,9 +140,7 @@ def _window(runtime, rids, starts: np.ndarray, positions: np.ndarray):
 def _entry_table(store, rids, before: np.ndarray, counts: np.ndarray, width: int) -> np.ndarray:
     """[B, width] slots of each request's entries after this step, -1 past its count; the entries this step
     completes (before .. counts - 1; the earlier ones are held) are backed now."""
-    for rid, first, n in zip(rids, before.tolist(), counts.tolist()):
-        if n > first:
-            store.ensure_rows(rid, first, n)
+    store.ensure_rows_of(rids, before, counts)
     tables = store.page_tables(rids, -(-width // store.page_size))
     ids = np.broadcast_to(np.arange(width), (len(rids), width))
     return np.where(ids < counts[:, None], _slots(tables, ids, store.page_size), -1)
