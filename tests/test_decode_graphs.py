@@ -316,3 +316,14 @@ def test_cuda_graphs_with_nextn_leave_greedy_tokens_unchanged(checkpoint, env):
                         max_seq_len=512, num_speculative_tokens=2, cuda_graphs=graphs)
         out[graphs] = [c.output_ids for c in engine.generate(_gpu_requests())]
     assert out[True] == out[False]
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_refuse_the_reference_fp8_quantizer(checkpoint, env):
+    """DEEPINFER_KERNELS=ref writes the fp8 cache through a boolean mask (a host sync): a graph-capturing
+    engine stops at construction, naming the way out; cuda_graphs=False runs."""
+    env(DEEPINFER_KERNELS="ref")
+    with pytest.raises(ValueError, match=r"cuda_graphs: DEEPINFER_KERNELS=ref .*cuda_graphs=False"):
+        Engine(checkpoint, device="cuda", dtype=torch.bfloat16, kv_cache_dtype="fp8")
+    engine = Engine(checkpoint, device="cuda", dtype=torch.bfloat16, kv_cache_dtype="fp8", cuda_graphs=False)
+    assert engine.stats()["cuda_graphs"]["enabled"] is False
