@@ -12,9 +12,9 @@ Rows (GPU):
 Backends (--backends, default all): `flashmla` (the built FlashMLA package on PYTHONPATH, `import
   flash_mla`), `tilelang` and `triton` (engine.h20_ops.flash_mla with DEEPINFER_SPARSE_MLA_BACKEND
   set: the dispatcher picks the path and kernel, shown in the `path` column). Prefill rows also show
-  `tilelang-api`: the engine's own sparse_mla_prefill on the TileLang kernel (base-2 lse, no max_logits:
-  what flash_mla_sparse_fwd could run if that kernel produced max_logits; its lse is compared in natural
-  log). Our calls pass out= (as vLLM does).
+  `tilelang-api`: the engine's own sparse_mla_prefill on the TileLang kernel's base-2 variant (no
+  max_logits; its lse is compared in natural log): `tilelang` runs the with_max_logits variant, whose
+  loop is the same, so the two should time alike. Our flash_mla calls pass out= (as vLLM does).
 Inputs: engine.h20_ops.testing's FlashMLA-convention builders (flashmla_decode_case: per-request pages
   placed at random, distinct random tokens per query row, -1 fillers, NaN bytes in unselected slots;
   prefill_case), built once per row and given to every backend.
@@ -163,11 +163,12 @@ def available_backends(wanted: list[str], device: torch.device) -> tuple[list[st
     return names, notes, flashmla
 
 
-def precompile_tilelang(d_qk_heads: set[tuple[int, int]], paged_heads: set[int]) -> None:
+def precompile_tilelang(prefill_variants: set[tuple[int, int, bool]], paged_heads: set[int]) -> None:
     """Compiles the TileLang kernels the rows need, one process each, in parallel, into TileLang's disk
-    cache (this process then loads them): a cold compile takes about a minute per kernel."""
-    jobs = [f"from engine.h20_ops.attention.tilelang_sm90 import compiled_kernel; compiled_kernel({h}, {d})"
-            for h, d in sorted(d_qk_heads)]
+    cache (this process then loads them): a cold compile takes about a minute per kernel.
+    prefill_variants: (h_q, d_qk, with_max_logits) of the prefill kernel."""
+    jobs = [f"from engine.h20_ops.attention.tilelang_sm90 import compiled_kernel; compiled_kernel({h}, {d}, {m})"
+            for h, d, m in sorted(prefill_variants)]
     jobs += [f"from engine.h20_ops.attention.tilelang_sm90_paged_fp8 import compiled_kernel; compiled_kernel({h})"
              for h in sorted(paged_heads)]
     start = time.time()
@@ -474,7 +475,9 @@ def main() -> int:
     d_rows = [] if opts.prefill_only else decode_rows(opts.quick, opts.small)
     p_rows = [] if opts.decode_only else prefill_rows(opts.quick, opts.small)
     if "tilelang" in backends:
-        precompile_tilelang({(r.h_q, r.layout.d) for r in d_rows} | {(r.h_q, r.d_qk) for r in p_rows},
+        # decode's gathered / direct paths run the base-2 variant; flash_mla_sparse_fwd the max_logits one
+        precompile_tilelang({(r.h_q, r.layout.d, False) for r in d_rows}
+                            | {(r.h_q, r.d_qk, m) for r in p_rows for m in (False, True)},
                             {r.h_q for r in d_rows if r.layout is kv_cache.MODEL1})
     timer = Timer(device)
     ok = True

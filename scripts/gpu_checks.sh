@@ -39,9 +39,13 @@ step() {  # step NAME SECONDS CMD...
 for s in "$@"; do
     case $s in
         compile)  # the TileLang kernels, one process each, into TILELANG_CACHE_DIR for the steps after
-            step compile 300 bash -c 'for v in "attention.tilelang_sm90 64,512" "attention.tilelang_sm90 128,512" \
-                "attention.tilelang_sm90 64,576" "attention.tilelang_sm90 128,576" "attention.tilelang_sm90_paged_fp8 64" \
-                "attention.tilelang_sm90_paged_fp8 128"; do set -- $v; python3 -c "from engine.h20_ops.$1 import compiled_kernel; compiled_kernel($2)" & done
+            step compile 300 bash -c 'for v in "attention.tilelang_sm90 64,512,False" "attention.tilelang_sm90 128,512,False" \
+                "attention.tilelang_sm90 64,576,False" "attention.tilelang_sm90 128,576,False" \
+                "attention.tilelang_sm90 64,512,True" "attention.tilelang_sm90 128,512,True" \
+                "attention.tilelang_sm90 64,576,True" "attention.tilelang_sm90 128,576,True" \
+                "attention.tilelang_sm90_paged_fp8 64,\"MODEL1\"" "attention.tilelang_sm90_paged_fp8 128,\"MODEL1\"" \
+                "attention.tilelang_sm90_paged_fp8 64,\"V32\"" "attention.tilelang_sm90_paged_fp8 128,\"V32\""; do
+                set -- $v; python3 -c "from engine.h20_ops.$1 import compiled_kernel; compiled_kernel($2)" & done
                 fail=0; for j in $(jobs -p); do wait $j || fail=1; done; exit $fail' ;;
         tests) step tests 400 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_mla_ref.py \
                 tests/test_dispatcher.py tests/test_flashmla_sparse.py tests/test_sparse_mla_sm90.py \

@@ -20,7 +20,7 @@ import torch
 
 from engine.h20_ops import flash_mla, kv_cache
 from engine.h20_ops import testing as T
-from engine.h20_ops.attention import dispatch
+from engine.h20_ops.attention import dispatch, triton_paged_fp8
 from engine.h20_ops.vendor import flashmla_sparse
 
 MODEL1, V32 = kv_cache.MODEL1, kv_cache.V32
@@ -165,16 +165,16 @@ def test_lse_is_natural_and_laid_out_as_flashmla_returns_it():
 @pytest.mark.parametrize("split", [False, True])
 def test_decode_out_is_written_in_place(monkeypatch, split):
     """out= is the buffer the last launch writes: the merge's output with a split, the kernel's without;
-    no copy (the Triton prefill kernel gets the caller's buffer as its output)."""
+    no copy (the Triton paged fp8 kernel gets the caller's buffer as its output)."""
     case = small_case(topk=64, extra=(136, 150, 5)) if split else small_case()
     kernel_outs = []
-    real = flashmla_sparse.flash_mla_sparse_fwd
+    real = triton_paged_fp8.paged_fp8_decode  # the Triton backend's decode kernel for fp8 caches
 
     def recording(*args, out=None, **kwargs):
         kernel_outs.append(out)
         return real(*args, out=out, **kwargs)
 
-    monkeypatch.setattr(flashmla_sparse, "flash_mla_sparse_fwd", recording)
+    monkeypatch.setattr(triton_paged_fp8, "paged_fp8_decode", recording)
     expected, _ = run_decode(case)
     buf = torch.full_like(expected, float("nan"))
     meta, _ = flash_mla.get_mla_metadata()
@@ -202,11 +202,28 @@ def test_prefill_out_is_written_in_place(monkeypatch):
         assert torch.equal(got, want)
 
 
-def test_prefill_kernel_with_max_logits_is_triton_under_the_tilelang_backend():
-    case = T.prefill_case(14, s_q=1, s_kv=64, h_q=64, topk=64, device=DEVICE)
-    choice = dispatch.prefill_kernel_with_max_logits(case.q, case.kv, "tilelang")
-    assert choice.kernel.startswith("triton_") and "max_logits" in choice.reason
-    assert dispatch.prefill_kernel_with_max_logits(case.q, case.kv, "ref").kernel == "ref"
+def test_prefill_runs_the_tilelang_kernel_itself_under_the_tilelang_backend(monkeypatch):
+    """max_logits, natural lse and out come from the TileLang kernel's with_max_logits variant, which
+    gets the caller's buffer: what it returns is returned (no conversion, copy or second launch)."""
+    pytest.importorskip("tilelang")
+    from engine.h20_ops.attention import tilelang_sm90
+
+    use_backend(monkeypatch, "tilelang")
+    case = T.prefill_case(14, s_q=2, s_kv=64, h_q=64, topk=64, sink=True, topk_length=True, device=DEVICE)
+    buf = torch.empty(2, 64, 512, dtype=case.q.dtype, device=case.q.device)
+    calls = []
+
+    def kernel(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out=None):
+        calls.append((q, kv, attn_sink, topk_length, out))
+        return out, torch.full((2, 64), -1.0), torch.full((2, 64), 2.0)
+
+    monkeypatch.setattr(tilelang_sm90, "sparse_mla_fwd_sm90_with_max_logits", kernel)
+    out, max_logits, lse = run_prefill(case, out=buf)
+    assert len(calls) == 1 and calls[0][0] is case.q and calls[0][2] is case.attn_sink and calls[0][4] is buf
+    assert out is buf and torch.all(max_logits == -1.0) and torch.all(lse == 2.0)
+    assert dispatch.kernel_choices()[-1]["kernel"] == "tilelang_sm90"
+    with pytest.raises(TypeError, match="^q: .*tilelang backend's kernels are bf16 only"):
+        flash_mla.flash_mla_sparse_fwd(case.q.float(), case.kv.float(), case.indices, case.sm_scale)
 
 
 def test_int8_cache_bytes_are_accepted():
@@ -297,6 +314,8 @@ def test_bad_prefill_inputs_name_the_argument():
     bad = [
         (dict(out=torch.empty(2, 64, 256, dtype=case.q.dtype, device=case.q.device)), ValueError, "out"),
         (dict(out=torch.empty(2, 64, 512, dtype=torch.float16, device=case.q.device)), TypeError, "out"),
+        (dict(out=torch.empty(2 * 64 * 512 + 8, dtype=case.q.dtype, device=case.q.device)[1:2 * 64 * 512 + 1]
+              .view(2, 64, 512)), ValueError, "out"),  # 16-byte alignment (the TileLang kernel's TMA store)
         (dict(indices=case.indices.long()), TypeError, "indices"),
         (dict(q=case.q[:, :32]), ValueError, "q"),
         (dict(d_v=576), ValueError, "d_v"),
@@ -424,6 +443,24 @@ def test_gpu_prefill_grid(monkeypatch, backend, name):
     use_backend(monkeypatch, backend)
     case = T.prefill_case(zlib.crc32(name.encode()), device="cuda", **GPU_PREFILL_GRID[name])
     check_prefill(case, *run_prefill(case))
+    kernel = dispatch.kernel_choices()[-1]["kernel"]
+    assert (kernel == "tilelang_sm90") if backend == "tilelang" else kernel.startswith("triton_"), kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+def test_gpu_prefill_out_is_written_in_place(monkeypatch, backend):
+    """The kernel writes the caller's buffer (poisoned with NaN): the same results as without out=."""
+    use_backend(monkeypatch, backend)
+    case = T.prefill_case(16, s_q=70, s_kv=700, h_q=128, topk=320, d_qk=576, sink=True, topk_length=True,
+                          device="cuda")
+    expected = run_prefill(case)
+    buf = torch.full_like(expected[0], float("nan"))
+    got = run_prefill(case, out=buf)
+    assert got[0] is buf
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+    check_prefill(case, *got)
 
 
 @pytest.mark.gpu

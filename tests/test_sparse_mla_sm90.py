@@ -1,10 +1,11 @@
 """The TileLang SM90 sparse MLA kernel (engine.h20_ops.attention.tilelang_sm90).
 
-CPU: every kernel variant lowers and nvcc-compiles for an explicit sm_90a target (an API break in
-TileLang or a kernel error fails here), the generated source keeps the properties the contract
-relies on, a blocked TileLang makes the module import fail with ModuleNotFoundError, and bad
-arguments are rejected by name. GPU (@pytest.mark.gpu): results against the float32 oracle on
-adversarial inputs.
+CPU: every kernel variant ((h_q, d_qk) x base-2 / with_max_logits) lowers and nvcc-compiles for an
+explicit sm_90a target (an API break in TileLang or a kernel error fails here), the generated source
+keeps the properties the contract relies on, a blocked TileLang makes the module import fail with
+ModuleNotFoundError, and bad arguments are rejected by name. GPU (@pytest.mark.gpu): results against
+the float32 oracle on adversarial inputs; the with_max_logits variant's out bit for bit the base-2
+variant's, its lse that lse times ln 2, its max_logits the oracle's; out= written in place.
 """
 
 import importlib
@@ -25,18 +26,20 @@ tilelang = pytest.importorskip("tilelang", reason="tilelang is not installed (pi
 
 MODULE = "engine.h20_ops.attention.tilelang_sm90"
 VARIANTS = [(64, 512), (128, 512), (64, 576), (128, 576)]  # (h_q, d_qk): V4-Flash, V4-Pro, V3.2
+KERNELS = [(h_q, d_qk, with_max_logits) for h_q, d_qk in VARIANTS for with_max_logits in (False, True)]
 LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
 INVALID_FILLERS = (-1, -(2**31), -123456, 2**31 - 1)  # plus s_kv itself, added per case
 
 
 # ---------------------------------------------------------------------------------------- CPU
 
 
-@pytest.mark.parametrize("h_q,d_qk", VARIANTS)
-def test_kernel_compiles_for_sm90a(h_q, d_qk):
+@pytest.mark.parametrize("h_q,d_qk,with_max_logits", KERNELS)
+def test_kernel_compiles_for_sm90a(h_q, d_qk, with_max_logits):
     from engine.h20_ops.attention import tilelang_sm90 as sm90
 
-    src = sm90.compiled_kernel(h_q, d_qk).get_kernel_source()
+    src = sm90.compiled_kernel(h_q, d_qk, with_max_logits).get_kernel_source()
     # The gather zero-fills invalid rows (cp.async with source size 0) instead of reading them:
     # one 16-byte chunk per 64 columns per thread and buffer, once per gather order (a CTA's later
     # items start with buffer 0). Q arrives by TMA, one 64 x 64 box per 64 columns from Q's tensor map
@@ -57,10 +60,15 @@ def test_kernel_compiles_for_sm90a(h_q, d_qk):
     # s_q, s_kv and topk are runtime arguments (symbolic), not baked-in constants.
     for name in ("int s_q", "int s_kv", "int topk"):
         assert name in src
+    # The with_max_logits variant: consumer 0's epilogue multiplies the running max and the base-2 lse by
+    # ln 2 (one vectorized multiply each) and stores max_logits next to lse; nothing else changes.
+    assert src.count("MaxLogits[") == int(with_max_logits)
+    assert src.count("0x1.62e42fefa39efp-1f") == 2 * int(with_max_logits)  # ln 2 as a float literal
+    assert src.count("Lse[") == 1
 
 
-@pytest.mark.parametrize("h_q,d_qk", VARIANTS)
-def test_ptxas_keeps_wgmma_async_without_spills(h_q, d_qk):
+@pytest.mark.parametrize("h_q,d_qk,with_max_logits", KERNELS)
+def test_ptxas_keeps_wgmma_async_without_spills(h_q, d_qk, with_max_logits):
     """A wgmma left in flight across a loop back edge (or a register-hungry change) makes ptxas
     serialize every wgmma of the kernel (warning C7515) or spill: still correct, ~2x slower."""
     from engine.h20_ops.attention import tilelang_sm90 as sm90
@@ -68,7 +76,7 @@ def test_ptxas_keeps_wgmma_async_without_spills(h_q, d_qk):
     ptxas = shutil.which("ptxas")
     if ptxas is None:
         pytest.skip("ptxas is not on PATH")
-    ptx = sm90.compiled_kernel(h_q, d_qk)._get_ptx()  # TileLang 0.1.15 (pinned) keeps the PTX here
+    ptx = sm90.compiled_kernel(h_q, d_qk, with_max_logits)._get_ptx()  # TileLang 0.1.15 (pinned) keeps the PTX here
     # Built with --use_fast_math: every exp2 is one ex2.approx.ftz (the accurate path would add a range
     # test and two multiplies to each of the softmax's exp2s).
     assert "ex2.approx.ftz.f32" in ptx and "ex2.approx.f32" not in ptx
@@ -154,6 +162,25 @@ def test_rejects_unsupported_shapes(h_q, d_qk, bad):
     q, kv, idx = _small_inputs(h_q=h_q, d_qk=d_qk)
     with pytest.raises(ValueError, match=f"^{bad}: "):
         sparse_mla_fwd_sm90(q, kv, idx, 0.04)
+
+
+@pytest.mark.parametrize("with_max_logits", [False, True])
+def test_rejects_a_bad_out(with_max_logits):
+    """The caller's out is written by TMA: contiguous, q's dtype and shape, 16-byte aligned, each
+    refused by name before any device work (here before the CPU tensors themselves are refused)."""
+    sm90 = importlib.import_module(MODULE)
+    fn = sm90.sparse_mla_fwd_sm90_with_max_logits if with_max_logits else sm90.sparse_mla_fwd_sm90
+    q, kv, idx = _small_inputs()
+    backing = torch.empty(4 * 64 * 512 + 8, dtype=torch.bfloat16)
+    bad = [
+        (torch.empty(4, 64, 256, dtype=torch.bfloat16), ValueError, "out: expected shape"),
+        (torch.empty(4, 64, 512, dtype=torch.float16), TypeError, "out: expected dtype"),
+        (torch.empty(4, 512, 64, dtype=torch.bfloat16).transpose(1, 2), ValueError, "out: expected a contiguous"),
+        (backing[1:1 + 4 * 64 * 512].view(4, 64, 512), ValueError, "out: expected a 16-byte aligned"),
+    ]
+    for out, exc, message in bad:
+        with pytest.raises(exc, match=f"^{message}"):
+            fn(q, kv, idx, 0.04, out=out)
 
 
 # ---------------------------------------------------------------------------------------- GPU
@@ -256,6 +283,67 @@ def test_matches_oracle(h_q, d_qk, topk, s_kv, extras):
     _check_against_oracle(*inputs, sm_scale=1.0 / math.sqrt(d_qk))
 
 
+def _check_with_max_logits(q, kv, idx, attn_sink, topk_length, sm_scale):
+    """The with_max_logits variant against the base-2 one (same inputs) and the oracle, writing a
+    caller's NaN-poisoned out."""
+    sm90 = importlib.import_module(MODULE)
+    out2, lse2 = sm90.sparse_mla_fwd_sm90(q, kv, idx, sm_scale, 512, attn_sink, topk_length)
+    buf = torch.full_like(out2, float("nan"))
+    out, max_logits, lse = sm90.sparse_mla_fwd_sm90_with_max_logits(q, kv, idx, sm_scale, 512, attn_sink, topk_length,
+                                                                     out=buf)
+    assert out is buf
+    assert torch.equal(out, out2), "the variants share the loop: out must be the same bits"
+    assert lse.dtype == max_logits.dtype == torch.float32 and lse.shape == max_logits.shape == q.shape[:2]
+    assert torch.equal(lse, lse2 * LN2), "natural lse = base-2 lse * ln 2 (one fp32 multiply; +inf stays)"
+    ref = sparse_mla_prefill_ref(q, kv, idx, sm_scale, 512, attn_sink, topk_length)
+    empty = torch.isinf(ref.lse)
+    assert torch.equal(max_logits == float("-inf"), empty), "-inf max_logits exactly on the empty rows"
+    assert torch.equal(lse == float("inf"), empty)
+    finite = ~empty
+    err = (max_logits[finite] - ref.max_logits[finite]).abs()
+    tol = torch.maximum(torch.full_like(err, 1e-5), ref.max_logits[finite].abs() * (4.01 / 65536))
+    assert bool((err <= tol).all()), f"max_logits max err {err.max().item():.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_q,d_qk", VARIANTS)
+@pytest.mark.parametrize("topk,s_kv,extras", [
+    (512, 2048, {}),
+    (100, 700, {"lengths": True, "sink": True}),
+    (640, 300, {"dup": True, "strided": True}),
+])
+def test_with_max_logits_variant(h_q, d_qk, topk, s_kv, extras):
+    inputs = _case(37, s_kv, h_q, d_qk, topk, seed=hash((h_q, d_qk, topk, 1)) % 2**31, **extras)
+    _check_with_max_logits(*inputs, sm_scale=1.0 / math.sqrt(d_qk))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_q,d_qk", [(64, 512), (128, 576)])
+def test_with_max_logits_variant_serving_several_items(h_q, d_qk):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    s_q = 5 * sms // 2 // (h_q // 64) + 1
+    inputs = _case(s_q, 700, h_q, d_qk, 300, seed=h_q + d_qk, dup=True, lengths=True, sink=True)
+    _check_with_max_logits(*inputs, sm_scale=1.0 / math.sqrt(d_qk))
+
+
+@pytest.mark.gpu
+def test_out_is_written_in_place_and_degenerate_shapes():
+    """out= for the base-2 variant; s_q 0 and s_kv 0 (no launch) fill the caller's buffers too."""
+    sm90 = importlib.import_module(MODULE)
+    q, kv, idx, sink, lengths = _case(9, 200, 64, 512, 128, seed=6, sink=True, lengths=True)
+    expected, expected_lse = sm90.sparse_mla_fwd_sm90(q, kv, idx, 0.05, 512, sink, lengths)
+    buf = torch.full_like(expected, float("nan"))
+    out, lse = sm90.sparse_mla_fwd_sm90(q, kv, idx, 0.05, 512, sink, lengths, out=buf)
+    assert out is buf and torch.equal(out, expected) and torch.equal(lse, expected_lse)
+    no_kv = kv[:0]
+    buf = torch.full_like(expected, float("nan"))
+    out, max_logits, lse = sm90.sparse_mla_fwd_sm90_with_max_logits(q, no_kv, idx, 0.05, out=buf)
+    assert out is buf and torch.all(out == 0)
+    assert torch.all(max_logits == float("-inf")) and torch.all(lse == float("inf"))
+    out, max_logits, lse = sm90.sparse_mla_fwd_sm90_with_max_logits(q[:0], kv, idx[:0], 0.05, out=buf[:0])
+    assert out.shape == (0, 64, 512) and max_logits.shape == lse.shape == (0, 64)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("h_q,d_qk", VARIANTS)
 @pytest.mark.parametrize("topk", [64, 300])
@@ -312,6 +400,12 @@ def test_nan_sink_and_nan_rows():
     assert torch.all(out[[0, 2, 3, 4]] == 0) and torch.all(lse[[0, 2, 3, 4]] == float("inf"))  # row 0: _case's empty row
     assert torch.isnan(lse[1]).all() and torch.isnan(out[1].float()).all()
     assert torch.isnan(out[5, 3].float()).all() and torch.isfinite(out[5, :3].float()).all()
+    # the with_max_logits variant: the same out (NaN included), lse * ln 2
+    out_n, max_logits, lse_n = importlib.import_module(MODULE).sparse_mla_fwd_sm90_with_max_logits(
+        q, kv, idx, 0.05, 512, sink, lengths)
+    assert torch.equal(out_n.view(torch.int16), out.view(torch.int16))
+    assert torch.allclose(lse_n, lse * LN2, rtol=0, atol=0, equal_nan=True)  # exactly, NaN where lse is NaN
+    assert torch.all(max_logits[[0, 2, 3, 4]] == float("-inf"))
 
 
 @pytest.mark.gpu

@@ -43,8 +43,9 @@ def require_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
 
 
 def check_out(name: str, out, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-    """A caller's output buffer: a contiguous tensor of exactly `shape` and `dtype` on `device` (the
-    kernels write it in place)."""
+    """A caller's output buffer: a contiguous tensor of exactly `shape` and `dtype` on `device`, its data
+    pointer 16-byte aligned (the kernels write it in place; the TileLang kernels store it by TMA, which
+    needs that alignment: one rule whichever kernel runs)."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(out).__name__}")
     if out.dtype != dtype:
@@ -55,6 +56,9 @@ def check_out(name: str, out, shape: tuple[int, ...], dtype: torch.dtype, device
         raise ValueError(f"{name}: expected device {device} (same as q), got {out.device}")
     if not out.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {out.stride()}")
+    if out.data_ptr() % 16:
+        raise ValueError(f"{name}: expected a 16-byte aligned data pointer (stored by TMA), got data_ptr % 16 = "
+                         f"{out.data_ptr() % 16}")
 
 
 def require_scale(name: str, value) -> float:

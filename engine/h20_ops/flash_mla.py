@@ -11,9 +11,10 @@ flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_len
   sparse prefill, FlashMLA's current contract: entry j of row i is valid iff 0 <= indices[i, j] < s_kv
   and j < topk_length[i]; a row without a valid entry gets out 0, max_logits -inf, lse +inf; the sink
   scales out by 1 / (1 + exp(sink - lse)) and changes neither lse nor max_logits. The dispatcher's
-  prefill_kernel_with_max_logits runs it: a Triton kernel, which produces max_logits and natural-log lse
-  itself and writes `out` in place (no extra launch or copy). With the tilelang backend these calls
-  also run the Triton kernel: the TileLang kernel produces neither max_logits nor natural-log lse.
+  prefill kernel runs it (tilelang_sm90 in its with_max_logits variant, or a Triton kernel), which
+  produces max_logits and natural-log lse itself and writes `out` in place: one launch, no conversion
+  or copy. `out` must be contiguous with a 16-byte aligned data pointer (the TileLang kernel stores it
+  by TMA; the rule is the same on every backend), else ValueError naming out.
 get_mla_metadata(*args, **kwargs) -> (FlashMLASchedMeta, None): an empty metadata object (the arguments
   of FlashMLA's old interface are accepted and ignored, as FlashMLA does).
 flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
@@ -80,14 +81,16 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
                          out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill (module header): q [s_q, h_q, d_qk] bf16, h_q 64 or 128, d_qk 512 or 576;
     kv [s_kv, 1, d_qk]; indices [s_q, 1, topk] (or [s_q, topk]) int32; attn_sink [h_q] fp32; topk_length
-    [s_q] int32; out [s_q, h_q, d_v] contiguous in q's dtype or None. -> (out, max_logits, lse natural)."""
+    [s_q] int32; out [s_q, h_q, d_v] contiguous (16-byte aligned) in q's dtype or None.
+    -> (out, max_logits, lse natural)."""
     backend = dispatch.backend_of(None)
-    kernel_dtypes = dispatch.Q_DTYPES["ref" if backend == "ref" else "triton"]  # a Triton kernel runs (header)
     shape, indices = check_sparse_mla_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
-                                           q_dtypes=kernel_dtypes, limit_shapes=backend != "ref")
+                                           q_dtypes=dispatch.Q_DTYPES[backend],
+                                           q_dtype_note=dispatch.Q_DTYPE_NOTES.get(backend),
+                                           limit_shapes=backend != "ref")
     if out is not None:
         check_out("out", out, (shape.s_q, shape.h_q, d_v), q.dtype, q.device)
-    kernel = dispatch.prefill_kernel_with_max_logits(q, kv, backend).kernel
+    kernel = dispatch.prefill_kernel(q, kv, backend).kernel
     return dispatch.run_prefill_kernel_with_max_logits(kernel, q, kv, indices, float(sm_scale), d_v, attn_sink,
                                                        topk_length, out)
 

@@ -135,8 +135,9 @@ def decode_cache(gen: torch.Generator, n_slots_min: int, d: int, *, layout=None,
     if device != "cpu" and block_pad:  # move the backing buffer, then view: .to() of a view packs it densely
         moved = buf.to(device)
         cache = torch.as_strided(moved, base.shape, base.stride())
-    else:
-        cache = base.to(device)
+    else:  # copy into a cache allocated there: .to() of a view over padded blocks would pack it densely
+        cache = kv_cache.new_fp8_kv_cache(layout, num_blocks, block_size, device)
+        cache.copy_(base)
     return DecodeCache(cache, rows, n_slots)
 
 

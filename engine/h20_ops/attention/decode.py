@@ -16,8 +16,8 @@ chunks of whole pairs of 64-entry blocks (the SM90 kernels' step) that run as sp
 same launch (the list launch writes the repeated q rows); attention/merge.py combines the partials by
 lse and applies the sink once.
 out=: the caller's buffer is the output of the launch that writes the result (the merge with a split,
-else the attention kernel); a kernel that allocates its own output (the TileLang kernels today) is
-copied into it (dispatch.run_prefill_kernel / run_paged_fp8_kernel).
+else the attention kernel); a kernel that allocates its own output (the paged fp8 TileLang kernel
+today) is copied into it (dispatch.run_paged_fp8_kernel).
 Numerics: the attention kernel's (bf16 operands, fp32 accumulation; P rounded to bf16 before P.V); merge
 and sink in fp32. Deliberate deviation from FlashMLA's split-KV: partial outputs come back in q's dtype,
 so a split result carries one more bf16 rounding of each partial (|err| <= 2^-9 * sum_i w_i |o_i|).
@@ -99,7 +99,11 @@ def plan_sparse_decode(cache: torch.Tensor, *, batch: int, s_q: int, h_q: int, t
         if extra_layout is not layout:
             raise ValueError(f"extra_cache: expected the same kind of cache as cache ({_kind_name(layout)}), got "
                              f"{_kind_name(extra_layout)}")
-    choice = dispatch.decode_path(q_dtype, cache.device, layout, extra_cache is not None, backend)
+    caches = [c for c in (cache, extra_cache) if c is not None]
+    aligned16 = all(c.data_ptr() % 16 == 0 and (c.size(0) == 1 or c.stride(0) * c.element_size() % 16 == 0)
+                    for c in caches)
+    choice = dispatch.decode_path(q_dtype, cache.device, layout, extra_cache is not None, backend,
+                                  caches_aligned16=aligned16)
     path, kernel = choice.kernel.split(": ")
     list_len = topk + extra_topk
     if num_splits is None:
@@ -132,8 +136,8 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
       extra_topk_length [B]: attended in the same softmax.
     attn_sink [h_q] fp32: out *= 1 / (1 + exp(sink - lse)) (natural-log lse), once, over both caches.
     plan: from plan_sparse_decode for these shapes (None: made here, for one-off calls).
-    out: a contiguous [B, s_q, h_q, 512] tensor in q's dtype that receives the output (the launch that
-      writes the result, the merge's or the kernel's, writes it there), None: a new one.
+    out: a contiguous, 16-byte aligned [B, s_q, h_q, 512] tensor in q's dtype that receives the output
+      (the launch that writes the result, the merge's or the kernel's, writes it there), None: a new one.
     names: the caller's names for these arguments in error messages (an adapter such as
       engine.h20_ops.flash_mla: {"cache": "k_cache", ...}).
     Returns AttentionOutput(out [B, s_q, h_q, 512] in q's dtype, lse_log2 [B, s_q, h_q] fp32 base 2);
@@ -174,6 +178,9 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
     q_rows = q.reshape(rows, h_q, q.size(3))  # a view whenever q's strides allow
     out_rows = None if out is None else out.view(rows, h_q, D_V)
     cache_names = (n("cache"), n("extra_cache"))
+    if plan.kernel == "triton_paged_fp8":  # reads both lists itself and cuts the chunks of a split itself
+        return _triton_paged_fp8(plan, q_rows, cache, indices, topk_length, extra_cache, extra_indices,
+                                 extra_topk_length, sm_scale, attn_sink, out_rows)
     if extra_cache is None and plan.splits == 1 and plan.path != "gathered":
         # one cache, no split: the kernel takes the slot ids as they are (it masks ids outside the cache)
         lengths = None if topk_length is None else topk_length.repeat_interleave(s_q)
@@ -194,6 +201,24 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
                                    cache_names)
         out, lse = merge_splits(parts, lse_parts, plan.splits, attn_sink, q.dtype, out_rows)
     return AttentionOutput(out.view(batch, s_q, h_q, D_V), lse.view(batch, s_q, h_q))
+
+
+def _triton_paged_fp8(plan: DecodePlan, q_rows, cache, indices, topk_length, extra_cache, extra_indices,
+                      extra_topk_length, sm_scale, attn_sink, out_rows) -> AttentionOutput:
+    """The Triton paged fp8 kernel (attention/triton_paged_fp8.py): one launch over both caches' lists (+ the
+    merge with a split, its fp32 partials merged in fp32)."""
+    from .triton_paged_fp8 import paged_fp8_decode
+
+    rows = plan.batch * plan.s_q
+    flat = lambda t: None if t is None else t.reshape(rows, t.size(2))  # noqa: E731
+    out, lse = paged_fp8_decode(q_rows, cache, flat(indices), topk_length, s_q=plan.s_q, sm_scale=sm_scale,
+                                cache1=extra_cache, indices1=flat(extra_indices), lengths1=extra_topk_length,
+                                attn_sink=attn_sink if plan.splits == 1 else None, splits=plan.splits,
+                                out=out_rows if plan.splits == 1 else None)
+    if plan.splits > 1:
+        out, lse = merge_splits(out, lse, plan.splits, attn_sink, q_rows.dtype, out_rows)
+    shape = (plan.batch, plan.s_q, plan.h_q)
+    return AttentionOutput(out.view(*shape, D_V), lse.view(shape))
 
 
 def _attend(plan: DecodePlan, q_rows, kv, extra_cache, lists, sm_scale, attn_sink, lengths, out, cache_names):

@@ -8,16 +8,17 @@ Choices (each logged once per process with its reason, and listed by `kernel_cho
     (vendor/flashmla_sparse_gluon_sm90.py: bf16 on SM90 with 16-byte aligned rows), `triton_portable`
     (vendor/flashmla_sparse.py: float32, other GPUs, the CPU interpreter, rows the Gluon kernel cannot
     read) or `ref` (the float32 oracle);
-  - the kernel of a prefill call that also returns max_logits and natural-log lse (FlashMLA's
-    flash_mla_sparse_fwd, engine.h20_ops.flash_mla): a Triton kernel (or `ref`), which produces both
-    itself; tilelang_sm90 produces neither (base-2 lse, no max_logits), so the tilelang backend runs the
-    Triton kernel for these calls (the choice says so);
+    A prefill call that also returns max_logits and natural-log lse (FlashMLA's flash_mla_sparse_fwd,
+    engine.h20_ops.flash_mla) runs the same kernel: each produces both itself (tilelang_sm90 in its
+    with_max_logits variant; run_prefill_kernel_with_max_logits);
   - the decode path of a call (attention/decode.py): `paged_fp8` (a kernel reads the paged fp8 caches
     itself), `gathered` (the rows of both caches are gathered, dequantized if fp8, into one buffer for the
     prefill kernel) or `direct` (one dense cache: the prefill kernel reads it in place).
 
 Conventions adapted here: every backend returns (out in q's dtype, lse fp32 in BASE 2); the Triton
-kernels produce natural-log lse (FlashMLA's contract), converted by one multiply.
+kernels produce natural-log lse (FlashMLA's contract), converted by one multiply. The max_logits calls
+return each kernel's (out, max_logits, natural-log lse) unconverted. A caller's `out` (validated:
+checks.check_out) is written by the prefill kernels themselves; only the oracle's result is copied.
 Arguments reach these functions validated (attention/prefill.py, attention/decode.py: the public boundary).
 """
 
@@ -138,8 +139,8 @@ _TRITON_PREFILL_KERNELS = {"triton_gluon_sm90": "gluon_sm90", "triton_portable":
 def run_prefill_kernel(kernel: str, q, kv, indices, sm_scale: float, d_v: int, attn_sink, topk_length,
                        out: torch.Tensor | None = None):
     """Runs one prefill kernel on validated arguments -> (out in q's dtype, lse fp32 base 2). out: a
-    validated contiguous [s_q, h_q, d_v] buffer for the output (the Triton kernels write it; the
-    TileLang kernel and the oracle allocate their own, copied into it), None: a new one."""
+    validated [s_q, h_q, d_v] buffer (checks.check_out) that the kernel writes (the oracle's result is
+    copied into it), None: a new one."""
     if kernel == "ref":
         from .reference import sparse_mla_prefill_ref
 
@@ -147,8 +148,7 @@ def run_prefill_kernel(kernel: str, q, kv, indices, sm_scale: float, d_v: int, a
         return _into(out, res.out.to(q.dtype)), res.lse * LOG2E
     if kernel == "tilelang_sm90":
         module = import_tilelang_module_or_explain(TILELANG_KERNEL_MODULE, "sparse MLA backend 'tilelang'")
-        kernel_out, lse = module.sparse_mla_fwd_sm90(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
-        return _into(out, kernel_out), lse
+        return module.sparse_mla_fwd_sm90(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out=out)
     from ..vendor.flashmla_sparse import flash_mla_sparse_fwd
 
     out, _max_logits, lse_natural = flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
@@ -156,38 +156,25 @@ def run_prefill_kernel(kernel: str, q, kv, indices, sm_scale: float, d_v: int, a
     return out, lse_natural * LOG2E  # +inf (empty rows) stays +inf
 
 
-
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
     """result, or result copied into the caller's buffer `out` (a kernel without an output argument)."""
     return result if out is None else out.copy_(result)
 
 
-def prefill_kernel_with_max_logits(q: torch.Tensor, kv: torch.Tensor, backend: str | None = None) -> KernelChoice:
-    """The kernel of a prefill call that returns max_logits and natural-log lse besides out (module
-    header): the Triton kernel prefill_kernel would choose with the triton backend, or `ref`."""
-    backend = backend_of(backend)
-    if backend == "ref":
-        return prefill_kernel(q, kv, "ref")
-    why = "" if backend == "triton" else "; max_logits asked for: tilelang_sm90 does not produce it"
-    unsupported = _gluon_unsupported(q, kv)
-    if unsupported is None:
-        return _record(KernelChoice("prefill", "triton_gluon_sm90", "bf16 on SM90, 16-byte aligned rows" + why))
-    return _record(KernelChoice("prefill", "triton_portable", unsupported + why))
-
-
 def run_prefill_kernel_with_max_logits(kernel: str, q, kv, indices, sm_scale: float, d_v: int, attn_sink,
                                        topk_length, out: torch.Tensor | None = None):
-    """Runs a kernel of prefill_kernel_with_max_logits on validated arguments -> (out in q's dtype,
-    max_logits fp32, lse fp32 NATURAL log), as the kernel produces them (no conversion); out as in
-    run_prefill_kernel (the Triton kernels write it in place)."""
+    """Runs a kernel of prefill_kernel on validated arguments -> (out in q's dtype, max_logits fp32,
+    lse fp32 NATURAL log), as the kernel produces them (no conversion, no extra launch); out as in
+    run_prefill_kernel."""
     if kernel == "ref":
         from .reference import sparse_mla_prefill_ref
 
         res = sparse_mla_prefill_ref(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
         return _into(out, res.out.to(q.dtype)), res.max_logits, res.lse
-    if kernel not in _TRITON_PREFILL_KERNELS:
-        raise ValueError(f"kernel: {kernel!r} does not produce max_logits; expected one of "
-                         f"{', '.join(['ref', *_TRITON_PREFILL_KERNELS])}")
+    if kernel == "tilelang_sm90":
+        module = import_tilelang_module_or_explain(TILELANG_KERNEL_MODULE, "sparse MLA backend 'tilelang'")
+        return module.sparse_mla_fwd_sm90_with_max_logits(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
+                                                          out=out)
     from ..vendor.flashmla_sparse import flash_mla_sparse_fwd
 
     return flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
@@ -198,13 +185,15 @@ def run_prefill_kernel_with_max_logits(kernel: str, q, kv, indices, sm_scale: fl
 # decode paths
 # ---------------------------------------------------------------------------------------------
 
-PAGED_FP8_KERNELS = {"tilelang": "tilelang_sm90_paged_fp8"}
+# the kernel of each backend that reads paged fp8 caches itself (either layout, each cache's own page size)
+PAGED_FP8_KERNELS = {"tilelang": "tilelang_sm90_paged_fp8", "triton": "triton_paged_fp8"}
 
 
 def decode_path(q_dtype: torch.dtype, device: torch.device, fp8_layout, has_extra: bool,
-                backend: str | None = None) -> KernelChoice:
+                backend: str | None = None, *, caches_aligned16: bool = True) -> KernelChoice:
     """The decode path for caches of `fp8_layout` (kv_cache.MODEL1 / V32, or None for dense rows in q's
-    dtype; the paged fp8 kernel takes either layout and each cache's own page size)."""
+    dtype). caches_aligned16: every cache's base and block stride are 16-byte aligned (the TileLang paged
+    kernel reads rows by 16-byte cp.async; the layouts themselves need 4 bytes)."""
     backend = backend_of(backend)
     if fp8_layout is None:
         if not has_extra:
@@ -213,13 +202,16 @@ def decode_path(q_dtype: torch.dtype, device: torch.device, fp8_layout, has_extr
         return _record(KernelChoice("decode", f"gathered: {_buffer_kernel(q_dtype, device, backend)}",
                                     "two dense caches: rows gathered into one buffer"))
     paged = PAGED_FP8_KERNELS.get(backend)
-    if paged is not None and q_dtype == torch.bfloat16:
-        return _record(KernelChoice("decode", f"paged_fp8: {paged}",
-                                    f"backend {backend}, {fp8_layout.name} fp8 caches"))
+    why = None
     if paged is None:
         why = f"backend {backend} has no paged fp8 kernel"
-    else:
+    elif backend == "tilelang" and q_dtype != torch.bfloat16:
         why = f"{paged} is bf16 only, q is {str(q_dtype).removeprefix('torch.')}"
+    elif backend == "tilelang" and not caches_aligned16:
+        why = f"{paged} needs 16-byte aligned cache bases and block strides"
+    if why is None:
+        return _record(KernelChoice("decode", f"paged_fp8: {paged}",
+                                    f"backend {backend}, {fp8_layout.name} fp8 caches"))
     return _record(KernelChoice("decode", f"gathered: {_buffer_kernel(q_dtype, device, backend)}",
                                 f"fp8 rows dequantized into a buffer: {why}"))
 

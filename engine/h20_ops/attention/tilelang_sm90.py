@@ -1,14 +1,24 @@
 """TileLang sparse MLA prefill kernel for Hopper (SM90).
 
-Contract: FlashMLA's sparse prefill (docs/contract.md, "Prefill") with base-2 lse.
+Contract: FlashMLA's sparse prefill (docs/contract.md, "Prefill"), in two variants (one compile each):
   q [s_q, h_q, d_qk] bf16, kv [s_kv, 1, d_qk] bf16, indices [s_q, topk] int32 (absolute kv rows),
   attn_sink [h_q] fp32 or None, topk_length [s_q] int32 or None
-  -> out [s_q, h_q, 512] bf16, lse [s_q, h_q] fp32 in BASE 2 (TileLang's convention).
+  -> sparse_mla_fwd_sm90: out [s_q, h_q, 512] bf16, lse [s_q, h_q] fp32 in BASE 2 (the engine's
+     convention);
+  -> sparse_mla_fwd_sm90_with_max_logits (FlashMLA's flash_mla_sparse_fwd results): out, max_logits
+     [s_q, h_q] fp32 (natural scale: max of the valid entries' q.k * sm_scale), lse [s_q, h_q] fp32 in
+     NATURAL log. The variant differs in the epilogue only: the running max, kept in the exp2 domain
+     (sm_scale * log2(e) folded in), and the base-2 lse are multiplied by ln 2 before they are stored;
+     the loop, out and its bits are the base-2 variant's.
+  out: a new tensor, or the caller's (contiguous, 16-byte aligned: the kernel stores it by TMA;
+  anything else is refused by name, never copied), written in place.
   Entry j of row i is valid iff 0 <= idx < s_kv and j < topk_length[i]; validity is tested
   explicitly in the kernel (a zero-filled key would score 0, not -inf) and an invalid entry's kv row
   is never read. Every access is in range by construction, so TileLang's safe memory access (bounds
   re-tested on every load) is off.
-  Empty row: out 0, lse +inf. Sink: out *= 1 / (1 + 2^(sink * log2(e) - lse)), lse unchanged.
+  Empty row: out 0, lse +inf, max_logits -inf. Sink: out *= 1 / (1 + 2^(sink * log2(e) - lse2)) with
+  the base-2 lse2, lse and max_logits unchanged. A row that selects a NaN: out and lse NaN (the
+  oracle's); its max_logits does not propagate the NaN (the row max is fmax, which skips NaN).
 
 Numerics: bf16 operands, fp32 accumulators (QK^T and PV on wgmma), fp32 online softmax in base 2
 (scores scaled by sm_scale * log2(e)); P, taken at the pair's row max, is rounded to bf16 once for
@@ -46,7 +56,7 @@ to buffer 1 (an odd last block is paired with an all-invalid one).
 Constraints: h_q in {64, 128} (tiled by 64 heads per CTA), d_qk in {512, 576} (V = first 512
 columns), any topk >= 1 (the last block is masked by position, nothing is padded on the host).
 s_q, s_kv and topk are symbolic and sink / topk_length are runtime switches: one compile per
-(h_q, d_qk), cached on disk by TileLang (TILELANG_CACHE_DIR) and memoized per process.
+(h_q, d_qk, variant), cached on disk by TileLang (TILELANG_CACHE_DIR) and memoized per process.
 
 Deviations: bf16 only (fp32 q: TypeError). Inputs whose strides are not dense are made contiguous
 on the host (the kernel assumes dense row-major tensors).
@@ -61,12 +71,13 @@ import tilelang.language as T
 import torch
 
 from ..platform import cuda_capability, sm_count
-from ..checks import check_sparse_mla_args
+from ..checks import check_out, check_sparse_mla_args
 
 D_V = 512
 HEADS_PER_CTA = 64
 BLOCK_TOPK = 64  # top-k entries per pipeline step
 LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 PASS_CONFIGS = {
     # The warp specialization is written by hand (producer + two consumers with mbarriers).
@@ -172,7 +183,7 @@ def consumer_parts(h_q: int, d_qk: int, after_ready=None) -> types.SimpleNamespa
                 T.tma_load(ns.q_desc, ns.q_ready[0], dst, c * 64, h0, s_i, 0)
 
     def ring(*, Q, q_l, q_r, q_t, kv_l, kv_r, k_t, p_smem, valid, max_smem, sum_smem, final_smem, Out, Lse, Sink,
-             use_sink, scale2, bx, n_ctas, n_items, topk):
+             use_sink, scale2, bx, n_ctas, n_items, topk, MaxLogits=None):
         """Call in the prim_func after its shared buffers: allocates the ring's mbarriers and returns the
         namespace the consumers (and the producer) use. ready_l[b] / ready_r[b]: buffer b's columns
         [0, 256) / [256, d_qk) have arrived (128 arrivals); free_l[b] / free_r[b]: their last reader is
@@ -180,7 +191,9 @@ def consumer_parts(h_q: int, d_qk: int, after_ready=None) -> types.SimpleNamespa
         q_ready: the item's Q has landed (one arrival and Q's bytes); q_desc: Q's TMA tensor map (Q is
         the kernel's [s_q, h_q, d_qk] argument). left / right: what each
         consumer's P V reads and releases (consumer 0 the left column half of both buffers, consumer 1
-        the right half)."""
+        the right half). MaxLogits: None (consumer 0 writes lse in base 2 to Lse), or the kernel's
+        [s_q, h_q] fp32 argument: consumer 0 also writes max_logits there and writes lse in natural log
+        (FlashMLA's statistics; the epilogue only, the loop is the same)."""
         ready_l = T.alloc_barrier([128, 128])
         ready_r = T.alloc_barrier([128, 128])
         free_l = T.alloc_barrier([128, 128])
@@ -197,8 +210,9 @@ def consumer_parts(h_q: int, d_qk: int, after_ready=None) -> types.SimpleNamespa
         return types.SimpleNamespace(
             q_l=q_l, q_r=q_r, q_t=q_t, kv_l=kv_l, kv_r=kv_r, k_t=k_t, ready_l=ready_l, ready_r=ready_r,
             free_l=free_l, free_r=free_r, q_free=q_free, q_ready=q_ready, q_desc=q_desc, left=left, right=right,
-            sum_smem=sum_smem, final_smem=final_smem, Out=Out, Lse=Lse, Sink=Sink, use_sink=use_sink,
-            scale2=scale2, bx=bx, n_ctas=n_ctas, n_local=T.ceildiv(n_items - bx, n_ctas),  # items of this CTA
+            sum_smem=sum_smem, final_smem=final_smem, Out=Out, Lse=Lse, MaxLogits=MaxLogits, Sink=Sink,
+            use_sink=use_sink, scale2=scale2, bx=bx, n_ctas=n_ctas,
+            n_local=T.ceildiv(n_items - bx, n_ctas),  # items of this CTA
             n_pairs=T.ceildiv(topk, 2 * BI))
 
     @T.macro
@@ -258,7 +272,8 @@ def consumer_parts(h_q: int, d_qk: int, after_ready=None) -> types.SimpleNamespa
 
     @T.macro
     def consumer0(ns, r, final, lse):
-        """Consumer 0 (threads 0-127): S of buffer 0's block and O[:, :256], item after item; writes lse."""
+        """Consumer 0 (threads 0-127): S of buffer 0's block and O[:, :256], item after item; writes lse
+        (and max_logits with ns.MaxLogits)."""
         for k in T.serial(ns.n_local):
             s_i, h0 = item_rows(ns, k)
             start_item(ns, r, k)
@@ -294,6 +309,13 @@ def consumer_parts(h_q: int, d_qk: int, after_ready=None) -> types.SimpleNamespa
                     # Empty rows keep 0: their lse is +inf and a +inf sink would give inf - inf.
                     final[h] = T.if_then_else(
                         r.sumexp[h] != 0, final[h] / (1.0 + T.exp2(ns.Sink[h0 + h] * LOG2E - lse[h])), 0.0)
+            if ns.MaxLogits is not None:
+                # Natural scale and log: m_run and lse carry sm_scale * log2(e). An empty row's m_run is
+                # -inf and its lse +inf, both kept by the multiply. (m_blk is free until the next item.)
+                for h in T.Parallel(H):
+                    r.m_blk[h] = r.m_run[h] * LN2
+                    lse[h] = lse[h] * LN2
+                T.copy(r.m_blk, ns.MaxLogits[s_i, h0:h0 + H])
             T.copy(final, ns.final_smem)
             T.copy(lse, ns.Lse[s_i, h0:h0 + H])
             T.named_barrier_arrive(BAR_FINAL, 256)
@@ -343,8 +365,10 @@ def consumer_parts(h_q: int, d_qk: int, after_ready=None) -> types.SimpleNamespa
                                  consumer0=consumer0, consumer1=consumer1)
 
 
-def sparse_mla_program(h_q: int, d_qk: int):
-    """The TileLang PrimFunc for one (h_q, d_qk); s_q, s_kv and topk are symbolic."""
+def sparse_mla_program(h_q: int, d_qk: int, with_max_logits: bool = False):
+    """The TileLang PrimFunc for one (h_q, d_qk); s_q, s_kv and topk are symbolic. with_max_logits:
+    the variant with a MaxLogits argument (after Out) that writes max_logits and lse in natural log;
+    the default writes lse in base 2 only."""
     if h_q % HEADS_PER_CTA:
         raise ValueError(f"h_q: expected a multiple of {HEADS_PER_CTA}, got {h_q}")
     if d_qk not in (512, 576):
@@ -389,20 +413,9 @@ def sparse_mla_program(h_q: int, d_qk: int):
                                        T.access_ptr(g.KV[src, col], "r", 8), 8, predicate=ok)
             T.cp_async_barrier_noinc(g.ready_r[b] if half else g.ready_l[b])
 
-    @T.prim_func
-    def kernel(
-        Q: T.Tensor([s_q, h_q, d_qk], bf16),
-        KV: T.Tensor([s_kv, d_qk], bf16),
-        Indices: T.Tensor([s_q, topk], i32),
-        TopkLength: T.Tensor([n_lengths], i32),  # read only when use_topk_length != 0
-        Sink: T.Tensor([h_q], f32),  # read only when use_sink != 0
-        Out: T.Tensor([s_q, h_q, D_V], bf16),
-        Lse: T.Tensor([s_q, h_q], f32),
-        scale2: T.float32,  # sm_scale * log2(e)
-        use_topk_length: T.int32,
-        use_sink: T.int32,
-        n_ctas: T.int32,  # grid size (<= s_q * head_tiles); CTA b serves items b, b + n_ctas, ...
-    ):
+    @T.macro
+    def program(Q, KV, Indices, TopkLength, Sink, Out, MaxLogits, Lse, scale2, use_topk_length, use_sink, n_ctas):
+        """The kernel's body; MaxLogits None: lse in base 2 only (see ring)."""
         with T.Kernel(n_ctas, threads=384, prelude=PRELUDE) as bx:
             q_l = T.alloc_shared([H, DH], bf16)
             q_r = T.alloc_shared([H, DH], bf16)
@@ -429,7 +442,7 @@ def sparse_mla_program(h_q: int, d_qk: int):
             ring = consumers.ring(
                 Q=Q, q_l=q_l, q_r=q_r, q_t=q_t if d_tail else None, kv_l=kv_l, kv_r=kv_r, k_t=k_t if d_tail else None,
                 p_smem=p_smem, valid=valid, max_smem=max_smem, sum_smem=sum_smem, final_smem=final_smem, Out=Out,
-                Lse=Lse, Sink=Sink, use_sink=use_sink, scale2=scale2, bx=bx, n_ctas=n_ctas,
+                Lse=Lse, MaxLogits=MaxLogits, Sink=Sink, use_sink=use_sink, scale2=scale2, bx=bx, n_ctas=n_ctas,
                 n_items=s_q * head_tiles, topk=topk)
             tx = T.get_thread_binding()
 
@@ -470,7 +483,43 @@ def sparse_mla_program(h_q: int, d_qk: int):
                         else:
                             gather_pair(slots, GATHER_ORDER, phase, t, rows)
 
-    return kernel
+    if not with_max_logits:
+        @T.prim_func
+        def kernel(
+            Q: T.Tensor([s_q, h_q, d_qk], bf16),
+            KV: T.Tensor([s_kv, d_qk], bf16),
+            Indices: T.Tensor([s_q, topk], i32),
+            TopkLength: T.Tensor([n_lengths], i32),  # read only when use_topk_length != 0
+            Sink: T.Tensor([h_q], f32),  # read only when use_sink != 0
+            Out: T.Tensor([s_q, h_q, D_V], bf16),
+            Lse: T.Tensor([s_q, h_q], f32),
+            scale2: T.float32,  # sm_scale * log2(e)
+            use_topk_length: T.int32,
+            use_sink: T.int32,
+            n_ctas: T.int32,  # grid size (<= s_q * head_tiles); CTA b serves items b, b + n_ctas, ...
+        ):
+            program(Q, KV, Indices, TopkLength, Sink, Out, None, Lse, scale2, use_topk_length, use_sink, n_ctas)
+
+        return kernel
+
+    @T.prim_func
+    def kernel_with_max_logits(
+        Q: T.Tensor([s_q, h_q, d_qk], bf16),
+        KV: T.Tensor([s_kv, d_qk], bf16),
+        Indices: T.Tensor([s_q, topk], i32),
+        TopkLength: T.Tensor([n_lengths], i32),  # read only when use_topk_length != 0
+        Sink: T.Tensor([h_q], f32),  # read only when use_sink != 0
+        Out: T.Tensor([s_q, h_q, D_V], bf16),
+        MaxLogits: T.Tensor([s_q, h_q], f32),  # natural scale; Lse in natural log
+        Lse: T.Tensor([s_q, h_q], f32),
+        scale2: T.float32,  # sm_scale * log2(e)
+        use_topk_length: T.int32,
+        use_sink: T.int32,
+        n_ctas: T.int32,  # grid size (<= s_q * head_tiles); CTA b serves items b, b + n_ctas, ...
+    ):
+        program(Q, KV, Indices, TopkLength, Sink, Out, MaxLogits, Lse, scale2, use_topk_length, use_sink, n_ctas)
+
+    return kernel_with_max_logits
 
 
 _DUMMY_TOPK_LENGTH: dict[torch.device, torch.Tensor] = {}
@@ -497,11 +546,11 @@ def lengths_and_sink(device: torch.device, h_q: int, topk_length: torch.Tensor |
 
 
 @functools.cache
-def compiled_kernel(h_q: int, d_qk: int):
-    """Compiled once per process and (h_q, d_qk); TileLang's disk cache (TILELANG_CACHE_DIR)
+def compiled_kernel(h_q: int, d_qk: int, with_max_logits: bool):
+    """Compiled once per process and (h_q, d_qk, variant); TileLang's disk cache (TILELANG_CACHE_DIR)
     makes later processes skip nvcc."""
-    return tilelang.compile(sparse_mla_program(h_q, d_qk), target=SM90_TARGET, pass_configs=PASS_CONFIGS,
-                            compile_flags=COMPILE_FLAGS)
+    return tilelang.compile(sparse_mla_program(h_q, d_qk, with_max_logits), target=SM90_TARGET,
+                            pass_configs=PASS_CONFIGS, compile_flags=COMPILE_FLAGS)
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -531,21 +580,46 @@ def _aligned_operand(t: torch.Tensor, name: str) -> torch.Tensor:
 
 def sparse_mla_fwd_sm90(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                         d_v: int = D_V, attn_sink: torch.Tensor | None = None,
-                        topk_length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        topk_length: torch.Tensor | None = None, out: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [s_q, h_q, d_qk] bf16, kv [s_kv, 1, d_qk] bf16, indices [s_q, topk] or [s_q, 1, topk] int32
-    -> (out [s_q, h_q, 512] bf16, lse [s_q, h_q] fp32 base 2)."""
-    shape, indices = check_sparse_mla_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
-    require_sm90_device(q)
-    out = torch.empty((shape.s_q, shape.h_q, D_V), dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty((shape.s_q, shape.h_q), dtype=torch.float32, device=q.device)
-    if shape.s_q == 0:
-        return out, lse
-    if shape.s_kv == 0:  # nothing to attend to: every row is empty
-        return out.zero_(), lse.fill_(float("inf"))
-    device = q.device
-    lengths, sink = lengths_and_sink(device, shape.h_q, topk_length, attn_sink)
-    kernel = compiled_kernel(shape.h_q, shape.d_qk)
-    n_ctas = min(shape.s_q * (shape.h_q // HEADS_PER_CTA), sm_count(device))
-    kernel(_aligned_operand(q, "q"), _aligned_operand(kv[:, 0, :], "kv"), _dense(indices), lengths, sink, out, lse,
-           float(sm_scale) * LOG2E, int(topk_length is not None), int(attn_sink is not None), n_ctas)
+    -> (out [s_q, h_q, 512] bf16, lse [s_q, h_q] fp32 base 2). out: None, or the caller's contiguous,
+    16-byte aligned [s_q, h_q, 512] bf16 buffer, which the kernel writes (by TMA) and which is returned."""
+    out, _, lse = _run(False, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
     return out, lse
+
+
+def sparse_mla_fwd_sm90_with_max_logits(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                                        d_v: int = D_V, attn_sink: torch.Tensor | None = None,
+                                        topk_length: torch.Tensor | None = None, out: torch.Tensor | None = None
+                                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashMLA's flash_mla_sparse_fwd results from the kernel's with_max_logits variant: arguments as
+    sparse_mla_fwd_sm90 -> (out, max_logits [s_q, h_q] fp32 natural scale (-inf for an empty row),
+    lse [s_q, h_q] fp32 NATURAL log (+inf for an empty row))."""
+    return _run(True, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
+
+
+def _run(with_max_logits: bool, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out):
+    """One launch of the variant -> (out, max_logits or None, lse)."""
+    shape, indices = check_sparse_mla_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+    if out is not None:
+        check_out("out", out, (shape.s_q, shape.h_q, D_V), q.dtype, q.device)
+    require_sm90_device(q)
+    device = q.device
+    if out is None:
+        out = torch.empty((shape.s_q, shape.h_q, D_V), dtype=torch.bfloat16, device=device)
+    lse = torch.empty((shape.s_q, shape.h_q), dtype=torch.float32, device=device)
+    max_logits = torch.empty_like(lse) if with_max_logits else None
+    if shape.s_q == 0:
+        return out, max_logits, lse
+    if shape.s_kv == 0:  # nothing to attend to: every row is empty
+        if with_max_logits:
+            max_logits.fill_(float("-inf"))
+        return out.zero_(), max_logits, lse.fill_(float("inf"))
+    lengths, sink = lengths_and_sink(device, shape.h_q, topk_length, attn_sink)
+    kernel = compiled_kernel(shape.h_q, shape.d_qk, with_max_logits)
+    n_ctas = min(shape.s_q * (shape.h_q // HEADS_PER_CTA), sm_count(device))
+    stats = (max_logits, lse) if with_max_logits else (lse,)
+    kernel(_aligned_operand(q, "q"), _aligned_operand(kv[:, 0, :], "kv"), _dense(indices), lengths, sink, out, *stats,
+           float(sm_scale) * LOG2E, int(topk_length is not None), int(attn_sink is not None), n_ctas)
+    return out, max_logits, lse
