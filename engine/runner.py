@@ -34,10 +34,15 @@ the target distribution (rejection sampling), not the non-speculative engine's d
 token's step_logits row is the raw verifier logits row it was taken from. stats() adds the
 acceptance rate.
 
-The model is transformers' DeepseekV4ForCausalLM (weights, MoE, embeddings, head) driven by
+The model is transformers' DeepseekV4ForCausalLM (weights, routers, embeddings, head) driven by
 engine.model.deepseek_v4 (norms/RoPE through engine.ops, attention through
 engine.h20_ops.sparse_mla_prefill / sparse_mla_decode, each op from engine.kernel_source's table;
-KV in engine.kv_store).
+KV and compressor state in engine.kv_store).
+
+CUDA graphs (cuda_graphs, on by default on a CUDA device): each plain decode step replays the graph of
+its static shapes (engine.model.decode_graphs: padded batch, s_q, entry table widths), captured on the
+first step of those shapes; NextN steps, prefill and sampling run eagerly. stats()["cuda_graphs"] says
+whether graphs ran, how many were captured and replayed.
 """
 
 from __future__ import annotations
@@ -52,8 +57,9 @@ import torch
 
 from engine import config, kernel_source
 from engine.h20_ops import sampling
-from engine.kv_store import KV_CACHE_DTYPES, PagedRows, RequestState
-from engine.model.deepseek_v4 import DeepseekV4Runtime, NextNRuntime, SeqStep, Stores
+from engine.kv_store import KV_CACHE_DTYPES, CompressorStates, PagedRows, RequestState
+from engine.model.decode_graphs import DecodeGraphs
+from engine.model.deepseek_v4 import DeepseekV4Runtime, NextNRuntime, SeqStep, Stores, compressor_specs
 from engine.model.layer_types import CSA, HCA
 from engine.model.hf_oracle import load_hf_model
 from engine.model.nextn import load_nextn_layer
@@ -148,12 +154,14 @@ class _Active:
 class Engine:
     def __init__(self, checkpoint_dir, *, device="cpu", dtype: torch.dtype = torch.float32,
                  kv_cache_dtype: str = "auto", max_batch_size: int = 8, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
-                 num_speculative_tokens: int = 1):
+                 num_speculative_tokens: int = 1, cuda_graphs: bool | None = None):
         """checkpoint_dir: HF-format DeepSeek-V4 directory (engine.model.tiny writes one).
         kv_cache_dtype: "auto" (rows in `dtype`) or "fp8" (MODEL1 layout). max_seq_len bounds
         prompt + max_new_tokens of every request and sizes the KV stores.
         num_speculative_tokens: drafts per decode step when DEEPINFER_USE_NEXTN_DECODE=1 (the
-        checkpoint must then hold NextN weights); unused otherwise."""
+        checkpoint must then hold NextN weights); unused otherwise.
+        cuda_graphs: replay decode steps as CUDA graphs (None: on a CUDA device, off elsewhere; True needs
+        a CUDA device; False: every step eager)."""
         config.validate_all()
         kernel_source.report()  # resolves the op table now: a strict hub source that cannot be used stops here
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -169,6 +177,11 @@ class Engine:
                             ("num_speculative_tokens", num_speculative_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs: expected a bool or None, got {type(cuda_graphs).__name__}")
+        if cuda_graphs and torch.device(device).type != "cuda":
+            raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, got device {device!r} (pass False or "
+                             f"None)")
         if not (Path(checkpoint_dir) / "config.json").is_file():
             raise FileNotFoundError(f"checkpoint_dir: no config.json in {checkpoint_dir}")
         self.device = torch.device(device)
@@ -190,7 +203,19 @@ class Engine:
         self.window = cfg.sliding_window
         self.ratios = {kind: cfg.compress_rates[kind] for kind in (CSA, HCA)}
         self.stores = self._build_stores(cfg)
-        self.runtime = DeepseekV4Runtime(self.hf_model, self.stores)
+        specs = compressor_specs(self.hf_model)
+        self.compressor_states = (CompressorStates(specs, num_rows=max_batch_size, dtype=dtype, device=self.device)
+                                  if specs else None)
+        self.runtime = DeepseekV4Runtime(self.hf_model, self.stores, max_batch=max_batch_size,
+                                         compressor_states=self.compressor_states)
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and kv_cache_dtype == "fp8" and config.kernels() == "ref":
+            # Fail here, not in the first capture: the reference quantizer picks the valid slots by a mask.
+            raise ValueError("cuda_graphs: DEEPINFER_KERNELS=ref writes the fp8 cache with the quantizer's torch "
+                             "reference, which selects valid slots by a boolean mask (a host sync no CUDA graph "
+                             "captures): pass cuda_graphs=False, or use DEEPINFER_KERNELS=triton")
+        if self.cuda_graphs:
+            self.runtime.graphs = DecodeGraphs(self.runtime)
         self.nextn_window: PagedRows | None = None
         self.nextn_runtime: NextNRuntime | None = None
         if self.nextn:
@@ -254,11 +279,14 @@ class Engine:
         need = self._needed_pages(request)
         for name, store in self._live_stores().items():
             store.admit(request.request_id, need[name])
-        return _Active(request, RequestState(request.request_id))
+        row = None if self.compressor_states is None else self.compressor_states.admit(request.request_id)
+        return _Active(request, RequestState(request.request_id, state_row=row))
 
     def _retire_pages(self, active: _Active) -> None:
         for store in self._live_stores().values():
             store.drop(active.request.request_id)
+        if self.compressor_states is not None:
+            self.compressor_states.drop(active.request.request_id)
 
     def _retire(self, active: _Active) -> Completion:
         self._retire_pages(active)
@@ -348,9 +376,15 @@ class Engine:
         return seqs
 
     def _inputs(self, seqs: list[SeqStep], tokens: list[list[int]]):
+        """A prefill's token ids and positions on the device."""
         input_ids = torch.tensor([t for toks in tokens for t in toks], dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in seqs]).to(self.device)
         return input_ids, positions
+
+    @staticmethod
+    def _host_ids(tokens: list[list[int]]) -> list[int]:
+        """A decode step's token ids, request after request, on the host (they travel in the step's copy)."""
+        return [t for toks in tokens for t in toks]
 
     def _sampling_tensors(self, batch: list[_Active], positions: list[int], device) -> dict[str, torch.Tensor]:
         """fused_sample's per-request tensors; positions[b]: the stream position of batch[b]'s draw."""
@@ -384,17 +418,19 @@ class Engine:
 
     def _step(self, batch: list[_Active], tokens: list[list[int]], *, prefill: bool) -> None:
         seqs = self._seq_steps(batch, [len(t) for t in tokens], [a.state.length for a in batch])
-        input_ids, positions = self._inputs(seqs, tokens)
-        logits, hidden = self.runtime.forward(input_ids, positions, seqs, prefill=prefill,
-                                              all_hidden=prefill and self.nextn)
+        if prefill:
+            input_ids, positions = self._inputs(seqs, tokens)
+            logits, hidden = self.runtime.prefill(input_ids, positions, seqs, all_hidden=self.nextn)
+        else:
+            logits, hidden = self.runtime.decode(self._host_ids(tokens), seqs)
         # each request's new token is the one at index start + length of its sequence
         next_tokens = self._select(batch, logits, [s.start + s.length for s in seqs])
-        for active, seq, row, token in zip(batch, seqs, logits, next_tokens):
+        for active, seq, row, token in zip(batch, seqs, logits.cpu(), next_tokens):
             active.state.length += seq.length
             self._release_window_rows(active)
             forced = active.request.forced_output_ids
             active.output_ids.append(int(token) if forced is None else forced[len(active.output_ids)])
-            active.logits.append(row.cpu())
+            active.logits.append(row)
         if prefill and self.nextn:
             start = time.perf_counter()
             self._draft_after_prefill(batch, seqs, hidden)
@@ -432,8 +468,8 @@ class Engine:
         nextn_seqs = self._seq_steps(batch, [seqs[i].length for i in todo], [0] * len(batch))
         tokens = [a.request.prompt_ids[1:] + [a.output_ids[-1]] for a in batch]
         input_ids, positions = self._inputs(nextn_seqs, tokens)
-        logits, nextn_hidden = self.nextn_runtime.forward(input_ids, hidden[rows.to(hidden.device)], positions,
-                                                          nextn_seqs, prefill=True)
+        logits, nextn_hidden = self.nextn_runtime.prefill(input_ids, hidden[rows.to(hidden.device)], positions,
+                                                          nextn_seqs)
         last = torch.tensor([s.offset + s.length - 1 for s in nextn_seqs], device=logits.device)
         self._draft_chain(batch, logits[last], nextn_hidden[last])
 
@@ -453,8 +489,7 @@ class Engine:
         drafts, draft_logits = [draft(logits, 0)], [logits]
         for j in range(1, k):
             seqs = self._seq_steps(batch, [1] * len(batch), [a.state.length + j - 1 for a in batch])
-            input_ids, positions = self._inputs(seqs, [[d] for d in drafts[-1]])
-            logits, hidden = self.nextn_runtime.forward(input_ids, hidden, positions, seqs, prefill=False)
+            logits, hidden = self.nextn_runtime.decode(list(drafts[-1]), hidden, seqs)
             drafts.append(draft(logits, j))
             draft_logits.append(logits)
         for b, active in enumerate(batch):
@@ -467,9 +502,8 @@ class Engine:
         k = self.spec_tokens
         starts = [a.state.length for a in batch]
         seqs = self._seq_steps(batch, [k + 1] * len(batch), starts)
-        input_ids, positions = self._inputs(seqs, [[a.output_ids[-1], *a.drafts] for a in batch])
-        logits, hidden = self.runtime.forward(input_ids, positions, seqs, prefill=False, all_logits=True,
-                                              all_hidden=True, speculative=True)
+        input_ids = self._host_ids([[a.output_ids[-1], *a.drafts] for a in batch])
+        logits, hidden = self.runtime.decode(input_ids, seqs, all_logits=True, all_hidden=True, speculative=True)
         target = logits.view(len(batch), k + 1, -1)
         device = target.device
         # draft j is proposed for position start + 1 + j (start: the stored length = the last token's index)
@@ -485,6 +519,7 @@ class Engine:
                 accepted[b] = next((j for j in range(min(k, len(ahead) - 1)) if active.drafts[j] != ahead[j]),
                                    min(k, len(ahead) - 1))
                 tokens[b] = ahead[: accepted[b] + 1]
+        target_rows = target.cpu()
         emitted_total = 0
         for b, active in enumerate(batch):
             kept = accepted[b] + 1  # verified rows that stay: the last token and the accepted drafts
@@ -497,7 +532,7 @@ class Engine:
             self._release_window_rows(active, nextn=False)
             emit = tokens[b][:kept][: active.request.max_new_tokens - len(active.output_ids)]
             active.output_ids.extend(emit)
-            active.logits.extend(target[b, : len(emit)].cpu())
+            active.logits.extend(target_rows[b, : len(emit)])
             emitted_total += len(emit)
         self._draft_after_verify(batch, seqs, tokens, accepted, hidden)
         return emitted_total
@@ -515,9 +550,8 @@ class Engine:
             nextn_seqs = self._seq_steps(active, [k1] * len(todo), [seqs[b].start for b in todo])
             # rows past the emitted tokens repeat the last one (any token would do: they are dropped)
             inputs = [[tokens[b][min(j, accepted[b])] for j in range(k1)] for b in todo]
-            input_ids, positions = self._inputs(nextn_seqs, inputs)
-            logits, nextn_hidden = self.nextn_runtime.forward(input_ids, hidden[rows.to(hidden.device)], positions,
-                                                              nextn_seqs, prefill=False)
+            logits, nextn_hidden = self.nextn_runtime.decode(self._host_ids(inputs), hidden[rows.to(hidden.device)],
+                                                             nextn_seqs)
             for a in active:  # the drafts below read only the window of the last emitted token
                 self._release_window_rows(a)
             last = torch.tensor([s.offset + accepted[b] for s, b in zip(nextn_seqs, todo)], device=logits.device)
@@ -530,7 +564,8 @@ class Engine:
         NextN decoding also: drafted / accepted counts, acceptance rate (None before any
         verification), emitted tokens per decode step and draft_seconds (NextN time, already counted
         in prefill_seconds / decode_seconds). fused_sample_backend: with NextN or once a request
-        sampled (the sampler's backend)."""
+        sampled (the sampler's backend). cuda_graphs: enabled, the graphs captured (one per decode step
+        shape) and the decode steps that replayed one (NextN verifications run eagerly)."""
         st = self._stats
         seconds = st["prefill_seconds"] + st["decode_seconds"]
         out = {
@@ -546,6 +581,9 @@ class Engine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
             "nextn_decode": self.nextn,
+            "cuda_graphs": {"enabled": self.cuda_graphs,
+                            "captured": len(self.runtime.graphs.keys) if self.cuda_graphs else 0,
+                            "replays": self.runtime.graphs.replays if self.cuda_graphs else 0},
         }
         if self.nextn or self._sampled:
             out["fused_sample_backend"] = self.sample_backend or sampling.resolve_backend()

@@ -550,25 +550,30 @@ def _kept_probabilities(step_logits, tokens):
 
 
 # ------------------------------------------------------------------------------------------
-# decode metadata: once per step, GPU ops only inside a layer's attention
+# decode: metadata once per step on the host, then GPU ops only
 
-class _HostTransferInLayer(AssertionError):
+class _HostTransferInStep(AssertionError):
     pass
 
 
 def _forbid_host_transfers(monkeypatch):
-    """From now on, making a tensor from host data or moving one between devices raises."""
+    """From now on, making a tensor from host data, reading one back or moving one between devices raises."""
     def forbidden(name):
         def call(*args, **kwargs):
-            raise _HostTransferInLayer(f"{name} inside a layer's decode attention")
+            raise _HostTransferInStep(f"{name} inside the decode step's device forward")
         return call
 
     real_to = torch.Tensor.to
 
-    def to(self, *args, **kwargs):  # dtype conversions are GPU ops; a device argument is a transfer
-        if "device" in kwargs or any(isinstance(a, (str, torch.device)) or
-                                     (isinstance(a, torch.Tensor) and a.device != self.device) for a in args):
-            raise _HostTransferInLayer(f"Tensor.to{args} inside a layer's decode attention")
+    def to(self, *args, **kwargs):  # dtype conversions are GPU ops; another device is a transfer
+        target = kwargs.get("device")
+        for a in args:
+            if isinstance(a, (str, torch.device)):
+                target = a
+            elif isinstance(a, torch.Tensor):
+                target = a.device
+        if target is not None and torch.device(target) != self.device:
+            raise _HostTransferInStep(f"Tensor.to{args} inside the decode step's device forward")
         return real_to(self, *args, **kwargs)
 
     for name in ("tensor", "as_tensor", "from_numpy"):
@@ -578,29 +583,35 @@ def _forbid_host_transfers(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "to", to)
 
 
-def test_decode_metadata_is_built_once_per_step_and_layers_copy_nothing_to_the_device(checkpoint, prompts,
-                                                                                      backend_env, monkeypatch):
-    """build_decode_metadata runs once per decode step (not per layer: every layer of the step runs its
-    attention on it), and a layer's decode attention (the slot lists, the indexer's choices mapped to
-    slots, the attention call) creates no tensor from host data and moves none between devices."""
+def test_decode_metadata_is_built_once_per_step_and_the_device_forward_copies_nothing(checkpoint, prompts,
+                                                                                       backend_env, monkeypatch):
+    """build_decode_inputs runs once per decode step (not per layer: every layer of the step runs on its
+    metadata), and the step's device forward (decode_step: what a CUDA graph captures: the metadata views,
+    every layer with its compressors, indexer, attention and MoE, the head) creates no tensor from host
+    data, reads none back and moves none between devices."""
     from engine.model import deepseek_v4
 
     backend_env()
-    real_build, real_attention = deepseek_v4.build_decode_metadata, deepseek_v4.DeepseekV4Runtime._decode_attention
+    real_build, real_attention = deepseek_v4.build_decode_inputs, deepseek_v4.DeepseekV4Runtime._decode_attention
+    real_step = deepseek_v4.DeepseekV4Runtime.decode_step
     builds, attention_calls = [], []
 
-    def counting_build(runtime, seqs):
+    def counting_build(runtime, seqs, input_ids):
         builds.append(len(seqs))
-        return real_build(runtime, seqs)
+        return real_build(runtime, seqs, input_ids)
 
-    def guarded_attention(self, *args):
-        attention_calls.append(args[0])
+    def counting_attention(self, layer_idx, *args):
+        attention_calls.append(layer_idx)
+        return real_attention(self, layer_idx, *args)
+
+    def guarded_step(self, *args, **kwargs):
         with pytest.MonkeyPatch.context() as guard:
             _forbid_host_transfers(guard)
-            return real_attention(self, *args)
+            return real_step(self, *args, **kwargs)
 
-    monkeypatch.setattr(deepseek_v4, "build_decode_metadata", counting_build)
-    monkeypatch.setattr(deepseek_v4.DeepseekV4Runtime, "_decode_attention", guarded_attention)
+    monkeypatch.setattr(deepseek_v4, "build_decode_inputs", counting_build)
+    monkeypatch.setattr(deepseek_v4.DeepseekV4Runtime, "_decode_attention", counting_attention)
+    monkeypatch.setattr(deepseek_v4.DeepseekV4Runtime, "decode_step", guarded_step)
     engine = Engine(checkpoint)
     names = ["long", "short"]  # 190 tokens: every layer type has compressed entries
     new_tokens = 4

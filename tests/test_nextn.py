@@ -77,15 +77,13 @@ def _snapshot(engine, active):
                                for layer in range(len(stores.window.layers))])
     snap = {"window_rows": window_rows,
             "pages": {name: s.held_pages(rid) for name, s in vars(stores).items() if s is not None}}
-    for (layer, name), comp in sorted(state.compressors.items()):
+    for (layer, name), comp in sorted(engine.compressor_states.describe(state.state_row, length).items()):
         store = stores.indexer if name == "indexer" else engine.runtime._compressed_store(
             engine.hf_model.config.layer_types[layer])
         slot = engine.runtime.store_slot[layer]
         snap[f"{layer}.{name}"] = dict(
-            entries=comp.entries,
-            buffer=comp.buffer_kv.clone(),
-            overlap=None if comp.overlap_kv is None else comp.overlap_kv.clone(),
-            rows=store.read(slot, store.slots(rid, torch.arange(comp.entries))))
+            entries=comp["entries"], buffer=comp["buffer"], overlap=comp["overlap"],
+            rows=store.read(slot, store.slots(rid, torch.arange(comp["entries"]))))
     return snap
 
 

@@ -1,26 +1,33 @@
 """DeepSeek-V4 forward for the engine: packed prefill and batched decode over the engine's KV state.
 
 Weights and the non-attention blocks come from transformers' DeepseekV4ForCausalLM (loaded from
-the HF-format checkpoint): embeddings, MoE (hash-routed and top-k), projections, head. Everything
-that is attention or state is the engine's own, every op through engine.kernel_source.op (this
-package's implementation, or a verified kernel repository's under DEEPINFER_KERNEL_SOURCE=hub):
+the HF-format checkpoint): embeddings, routers and shared experts, projections, head. Everything
+that is attention, state or a host sync in transformers' eager model is the engine's own, every op
+through engine.kernel_source.op (this package's implementation, or a verified kernel repository's under
+DEEPINFER_KERNEL_SOURCE=hub):
   - norms and RoPE (engine.ops: DEEPINFER_KERNELS picks Triton or torch);
   - K=V rows, compressed entries and indexer keys in the paged stores of engine.kv_store;
-  - compressors (ratio 4 with overlapping windows + lightning indexer, ratio 128) step by step
-    with per-request state, as transformers' DeepseekV4CSACache / HCACache define them;
+  - compressors (ratio 4 with overlapping windows + lightning indexer, ratio 128) on device state
+    rows (engine.model.compressor: a request's prompt at once in prefill, one token per request of the
+    batch in decode), as transformers' DeepseekV4CSACache / HCACache define them;
+  - the routed experts computed for every expert and combined by the router's weights (`_moe`):
+    transformers' eager experts pick the experts hit by `nonzero()`, a host sync no CUDA graph can
+    capture; dense over the experts costs num_experts / num_experts_per_tok times the routed FLOPs,
+    nothing for the tiny model's 4 experts, a grouped GEMM's job for a real checkpoint;
   - attention ONLY through engine.h20_ops: sparse_mla_prefill over the packed batch, sparse_mla_decode
     with the sliding-window store as main cache and a compressed store as the extra cache (flat slot
     ids, sinks passed in); inverse RoPE on the output, then the grouped output projection.
-Decode metadata (engine.model.decode_metadata) is built once per decode step, before the first layer,
-with one host-to-device copy: window slot lists, compressed-entry slot tables, the plans per layer
-type; a layer's attention call only runs GPU ops on it.
+Decode (`decode`): the step's metadata (engine.model.decode_metadata) is built on the host once per step
+in static shapes and copied to the device in one transfer; `decode_step` then runs the whole model on
+the device with GPU ops only (no host sync, no tensor from host data): what a CUDA graph captures
+(engine.model.decode_graphs), and what runs eagerly on a CPU or with graphs off.
 
 Sequence rules (transformers' eager model is the oracle): a query at position p sees window
 positions p - W + 1 .. p (W = sliding_window, itself included) and the compressed entries
 w < (p + 1) // ratio; a ratio-4 layer attends only to the indexer's top-k among those.
 Prefill always starts at position 0 (no chunked prefill, no prefix reuse).
 Decode takes the same number of new tokens per sequence: 1, or k + 1 when verifying NextN drafts
-(sparse_mla_decode with s_q = k + 1); a speculative forward journals the compressor states so that
+(sparse_mla_decode with s_q = k + 1); a speculative step journals the compressor state rows so that
 `rollback` can drop the rejected tail. NextNRuntime runs the NextN (MTP) drafter layer.
 """
 
@@ -32,10 +39,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernel_source import op
-from engine.kv_store import PagedRows, RequestState
-from engine.model.decode_metadata import DecodeMetadata, build_decode_metadata
+from engine.kv_store import CompressorRows, CompressorStates, PagedRows, RequestState
+from engine.model import compressor
+from engine.model.decode_metadata import (DecodeInputs, DecodeKey, DecodeMetadata, build_decode_inputs,
+                                          decode_metadata, plan_decode)
 from engine.model.layer_types import CSA, HCA, SLIDING
-
 
 
 @dataclass
@@ -57,20 +65,61 @@ class Stores:
     indexer: PagedRows | None
 
 
+@dataclass
+class _Journaled:
+    """A compressor of a speculative step: its state rows before the step (each tensor at the batch's
+    state rows) and the step's source tokens [B, s_q, width]."""
+
+    rows: CompressorRows
+    saved: list[torch.Tensor]
+    kv: torch.Tensor
+    gate: torch.Tensor
+    position_bias: torch.Tensor
+    store: PagedRows
+
+
+def compressor_specs(hf_model) -> dict[tuple[int, str], tuple[int, int, bool, torch.dtype]]:
+    """(layer, "compressor" | "indexer") -> (ratio, head_dim, overlapping windows, gate dtype) of every
+    compressor of transformers' model (engine.kv_store.CompressorStates); the gate dtype is that of
+    gate + position bias (the bias is kept in float32 in a bf16 model)."""
+    cfg = hf_model.config
+    specs = {}
+    for layer, (kind, module) in enumerate(zip(cfg.layer_types, hf_model.model.layers)):
+        if kind == SLIDING:
+            continue
+        comp = module.self_attn.compressor
+        dtype = comp.kv_proj.weight.dtype
+        gate = torch.promote_types(dtype, comp.position_bias.dtype)
+        specs[(layer, "compressor")] = (cfg.compress_rates[kind], cfg.head_dim, kind == CSA, gate)
+        if kind == CSA:
+            indexer = comp.indexer
+            specs[(layer, "indexer")] = (cfg.compress_rates[CSA], cfg.index_head_dim, True,
+                                         torch.promote_types(dtype, indexer.position_bias.dtype))
+    return specs
+
+
 class DeepseekV4Runtime:
-    def __init__(self, hf_model, stores: Stores):
+    def __init__(self, hf_model, stores: Stores, *, max_batch: int, compressor_states: CompressorStates | None):
+        """max_batch: the most requests of a step (the decode batch is padded up to a bucket that does not
+        exceed it); compressor_states: the compressors' state rows (None: a model without compressors)."""
         self.hf = hf_model
         self.config = hf_model.config
         self.model = hf_model.model
         self.stores = stores
+        self.max_batch = max_batch
+        self.compressor_states = compressor_states
+        self.device = stores.window.layers[0].device
         cfg = self.config
         self.eps = cfg.rms_norm_eps
         self.window = cfg.sliding_window
         self.heads = cfg.num_attention_heads
         self.head_dim = cfg.head_dim
         self.ratio = {CSA: cfg.compress_rates[CSA], HCA: cfg.compress_rates[HCA]}
+        # A speculative step: {"seqs": rid -> (batch row, start), "compressors": [_Journaled]} for rollback.
+        self.journal: dict | None = None
+        self.graphs = None  # engine.model.decode_graphs.DecodeGraphs when decode steps replay CUDA graphs
+        self._plans: dict[DecodeKey, dict] = {}
         # Per layer type, the slot of the layer in its compressed store.
-        self.journal: dict[str, list] | None = None  # speculative step: compressor states to roll back
         self.store_slot: dict[int, int] = {}
         for kind in (CSA, HCA):
             for slot, layer in enumerate(i for i, t in enumerate(cfg.layer_types) if t == kind):
@@ -83,78 +132,137 @@ class DeepseekV4Runtime:
         cos, sin = self.model.rotary_emb(probe, position_ids=positions[None], layer_type=rope_type)
         return cos[0], sin[0]
 
-    # -- whole model ----------------------------------------------------------------------
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqStep], *, prefill: bool,
-                all_logits: bool = False, all_hidden: bool = False, speculative: bool = False):
-        """input_ids, positions [T]. Returns (logits fp32, hidden): logits of each sequence's last
-        token [len(seqs), vocab] (all_logits: of every token, [T, vocab]); hidden None, or with
-        all_hidden every token's final hidden state [T, hidden] (after the head's hyper-connection
-        collapse, before the final norm: what the NextN layer takes).
-        speculative: journal the compressor states so that `rollback` can drop trailing tokens."""
-        self.journal = {s.state.rid: [] for s in seqs} if speculative else None
-        meta = None if prefill else build_decode_metadata(self, seqs)
-        hidden = self.model.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
-        rope = self.rope_tables(positions, hidden.dtype)
-        for layer_idx, layer in enumerate(self.model.layers):
-            hidden = self.decoder_layer(layer_idx, layer, hidden, input_ids, positions, seqs, rope, meta)
-        return self.head(self.model.hc_head, self.model.norm.weight, hidden, seqs, all_logits, all_hidden)
-
-    def head(self, hc_head, norm_weight, hidden, seqs, all_logits: bool, all_hidden: bool):
-        """hidden [T, hc, hidden] -> (logits fp32, collapsed hidden or None) as `forward` returns them,
-        through the shared lm_head."""
-        if not (all_logits or all_hidden):
-            hidden = hidden[torch.tensor([s.offset + s.length - 1 for s in seqs], device=hidden.device)]
-        collapsed = self._hyper_head(hc_head, hidden)
-        logit_rows = collapsed
-        if all_hidden and not all_logits:
-            logit_rows = collapsed[torch.tensor([s.offset + s.length - 1 for s in seqs], device=hidden.device)]
-        logits = self.hf.lm_head(op("rms_norm")(logit_rows, norm_weight, self.eps)).float()
-        return logits, (collapsed if all_hidden else None)
-
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
         return {kind: self._cos_sin(positions, kind, dtype) for kind in ("main", "compress")}
 
-    def decoder_layer(self, layer_idx, layer, hidden, input_ids, positions, seqs, rope, meta: DecodeMetadata | None):
-        """One DeepSeek-V4 decoder layer on [T, hc, hidden]; layer_idx addresses the KV stores; meta: the
-        step's decode metadata (None: a prefill step)."""
+    def _compress_rope(self, dtype: torch.dtype):
+        return lambda positions: self._cos_sin(positions, "compress", dtype)
+
+    # -- whole model ----------------------------------------------------------------------
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqStep], *,
+                all_hidden: bool = False):
+        """Packed prefill of new requests (each from position 0): input_ids, positions [T] on the device.
+        Returns (logits fp32 of each sequence's last token [len(seqs), vocab], hidden): hidden None, or with
+        all_hidden every token's final hidden state [T, hidden] (after the head's hyper-connection
+        collapse, before the final norm: what the NextN layer takes)."""
+        self.journal = None
+        for i, s in enumerate(seqs):
+            if s.start != 0:
+                raise ValueError(f"seqs[{i}]: prefill must start at position 0, got {s.start}")
+        hidden = self._embed(input_ids)
+        rope = self.rope_tables(positions, hidden.dtype)
+        for layer_idx, layer in enumerate(self.model.layers):
+            hidden = self.decoder_layer(layer_idx, layer, hidden, input_ids, rope, positions=positions, seqs=seqs)
+        last = torch.tensor([s.offset + s.length - 1 for s in seqs], device=hidden.device)
+        return self.head(self.model.hc_head, self.model.norm.weight, hidden, last, False, all_hidden)
+
+    @torch.no_grad()
+    def decode(self, input_ids, seqs: list[SeqStep], *, all_logits: bool = False, all_hidden: bool = False,
+               speculative: bool = False):
+        """One decode step: input_ids the B * s_q new token ids on the HOST (a list or CPU tensor; they
+        travel in the step's one copy), seqs one SeqStep per request (same length s_q). Returns (logits
+        fp32, hidden): each sequence's last token's logits [B, vocab] (all_logits: every token's,
+        [B * s_q, vocab]); hidden None, or with all_hidden every token's [B * s_q, hidden].
+        speculative: journal the compressor states so that `rollback` can drop trailing tokens.
+        With CUDA graphs (self.graphs) a plain step (no all_logits / all_hidden / speculative) replays the
+        graph of its DecodeKey; every other step runs decode_step eagerly."""
+        inputs = build_decode_inputs(self, seqs, input_ids)
+        rows = inputs.batch * inputs.key.s_q
+        if self.graphs is not None and not (all_logits or all_hidden or speculative):
+            self.journal = None
+            return self.graphs.run(inputs)[: inputs.batch], None
+        self.journal = ({"seqs": {s.state.rid: (b, s.start) for b, s in enumerate(seqs)}, "compressors": []}
+                        if speculative else None)
+        logits, hidden = self.decode_step(inputs.host.to(self.device), inputs, all_logits=all_logits,
+                                          all_hidden=all_hidden)
+        logits = logits[:rows] if all_logits else logits[: inputs.batch]
+        return logits, None if hidden is None else hidden[:rows]
+
+    def decode_plans(self, key: DecodeKey) -> dict:
+        plans = self._plans.get(key)
+        if plans is None:
+            plans = self._plans[key] = plan_decode(self, key)
+        return plans
+
+    def decode_step(self, buffer: torch.Tensor, inputs: DecodeInputs, *, all_logits: bool = False,
+                    all_hidden: bool = False):
+        """The decode forward on the device from the step's metadata buffer (inputs.host's values on the
+        device): GPU ops only, what a CUDA graph captures. Returns (logits, hidden) over the padded batch:
+        [key.batch, vocab] (all_logits: [key.batch * s_q, vocab]), hidden as `decode`."""
+        meta = decode_metadata(buffer, inputs, self.decode_plans(inputs.key))
+        hidden = self._embed(meta.input_ids)
+        rope = self.rope_tables(meta.positions, hidden.dtype)
+        for layer_idx, layer in enumerate(self.model.layers):
+            hidden = self.decoder_layer(layer_idx, layer, hidden, meta.input_ids, rope, meta=meta)
+        last = slice(meta.s_q - 1, None, meta.s_q)  # each request's last row
+        return self.head(self.model.hc_head, self.model.norm.weight, hidden, last, all_logits, all_hidden)
+
+    def head(self, hc_head, norm_weight, hidden, last, all_logits: bool, all_hidden: bool):
+        """hidden [T, hc, hidden] -> (logits fp32, collapsed hidden or None) as `prefill` / `decode` return
+        them, through the shared lm_head; last: the rows of the sequences' last tokens (an index tensor or
+        a slice)."""
+        if not (all_logits or all_hidden):
+            hidden = hidden[last]
+        collapsed = self._hyper_head(hc_head, hidden)
+        logit_rows = collapsed
+        if all_hidden and not all_logits:
+            logit_rows = collapsed[last]
+        logits = self.hf.lm_head(op("rms_norm")(logit_rows, norm_weight, self.eps)).float()
+        return logits, (collapsed if all_hidden else None)
+
+    def decoder_layer(self, layer_idx, layer, hidden, input_ids, rope, *, positions=None, seqs=None,
+                      meta: DecodeMetadata | None = None):
+        """One DeepSeek-V4 decoder layer on [T, hc, hidden]; layer_idx addresses the KV stores. Prefill:
+        positions [T] and seqs; decode: meta, the step's metadata."""
         dtype = hidden.dtype
         post, comb, collapsed = self._hyper_connection(layer.attn_hc, hidden)
         x = op("rms_norm")(collapsed, layer.input_layernorm.weight, self.eps)
-        attn_out = self._attention(layer_idx, layer.self_attn, x, positions, seqs, rope, meta)
+        attn_out = self._attention(layer_idx, layer.self_attn, x, rope, positions, seqs, meta)
         hidden = post.to(dtype).unsqueeze(-1) * attn_out.unsqueeze(-2) + torch.matmul(
             comb.to(dtype).transpose(-1, -2), hidden)
         post, comb, collapsed = self._hyper_connection(layer.ffn_hc, hidden)
         x = op("rms_norm")(collapsed, layer.post_attention_layernorm.weight, self.eps)
-        mlp_out = layer.mlp(x[None], input_ids=input_ids[None])[0]
+        mlp_out = self._moe(layer.mlp, x, input_ids)
         return post.to(dtype).unsqueeze(-1) * mlp_out.unsqueeze(-2) + torch.matmul(
             comb.to(dtype).transpose(-1, -2), hidden)
 
-    def rollback(self, state: RequestState, keep: int) -> None:
-        """After a speculative forward of n tokens, keep only the first `keep`: every compressor of
-        the request goes back to its state before the step and consumes just those tokens again
-        (entries they complete were already stored, identically); pages holding only dropped
-        entries are given back. The window rows are the caller's (PagedRows.truncate)."""
-        for comp_state, saved, kv, gate, pool_args, store in self.journal[state.rid]:
-            comp_state.restore(saved)
-            self._pool(comp_state, kv[:keep], gate[:keep], *pool_args[:-1], overlap=pool_args[-1])
-            store.truncate(state.rid, comp_state.entries)
+    def _moe(self, mlp, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """transformers' DeepseekV4SparseMoeBlock on x [T, hidden] (its router, hash-routed or top-k, and
+        shared experts), the routed experts computed for every expert: GPU ops only. The per-token sum over
+        its chosen experts, weighted, in router order, as transformers' grouped_mm implementation does."""
+        if mlp.is_hash:
+            _, weights, chosen = mlp.gate(x, input_ids)
+        else:
+            _, weights, chosen = mlp.gate(x)
+        experts = mlp.experts
+        gate_up = torch.matmul(x, experts.gate_up_proj.transpose(1, 2))  # [E, T, 2 * intermediate]
+        out = torch.matmul(experts._apply_gate(gate_up), experts.down_proj.transpose(1, 2))  # [E, T, hidden]
+        picked = out.transpose(0, 1).gather(1, chosen.unsqueeze(-1).expand(-1, -1, x.size(-1)))  # [T, k, hidden]
+        routed = (picked * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        return routed + mlp.shared_experts(x)
 
-    def _advance(self, s: SeqStep, layer_idx, name, store, slot, kv, gate, position_bias, norm_weight, ratio,
-                 head_dim, overlap):
-        """Run one compressor of one sequence over its new tokens and store the new entries
-        (journaled in a speculative step). Returns (entries before, entries after, new entries)."""
-        state = s.state.compressor(layer_idx, name)
-        first_entry = state.entries
-        if self.journal is not None:
-            self.journal[s.state.rid].append((state, state.snapshot(), kv, gate,
-                                              (position_bias, norm_weight, ratio, head_dim, overlap), store))
-        new = self._pool(state, kv, gate, position_bias, norm_weight, ratio, head_dim, overlap=overlap)
-        store.write(slot, s.state.rid, first_entry, new)
-        return first_entry, state.entries, new
+    def rollback(self, state: RequestState, keep: int) -> None:
+        """After a speculative decode step of n tokens, keep only the first `keep`: every compressor row of
+        the request goes back to its state before the step and takes just those tokens again (the entries
+        they complete were already stored, identically); pages holding only dropped entries are given
+        back. The window rows are the caller's (PagedRows.truncate)."""
+        b, start = self.journal["seqs"][state.rid]
+        row = torch.tensor([state.state_row], device=self.device)
+        positions = torch.arange(start, start + keep, device=self.device)
+        for rec in self.journal["compressors"]:
+            for tensor, saved in zip(rec.rows.tensors(), rec.saved):
+                tensor[state.state_row] = saved[b]
+            for j in range(keep):
+                compressor.replay_token(rec.rows, row, positions[j:j + 1], rec.kv[b, j:j + 1], rec.gate[b, j:j + 1],
+                                        rec.position_bias)
+            rec.store.truncate(state.rid, (start + keep) // rec.rows.ratio)
 
     def _hyper_connection(self, hc, hidden: torch.Tensor):
-        """transformers' DeepseekV4HyperConnection on [T, hc, hidden] with its norm through engine.ops."""
+        """transformers' DeepseekV4HyperConnection on [T, hc, hidden] with its norm through the engine's rms_norm op."""
         n = hc.hc_mult
         flat = op("rms_norm")(hidden.reshape(hidden.size(0), -1).float(), None, self.eps)
         mixes = F.linear(flat, hc.fn.float())
@@ -179,32 +287,33 @@ class DeepseekV4Runtime:
         return (pre.unsqueeze(-1) * hidden).sum(dim=1).to(hidden.dtype)
 
     # -- attention ------------------------------------------------------------------------
-    def _attention(self, layer_idx, attn, x, positions, seqs, rope, meta: DecodeMetadata | None):
+    def _attention(self, layer_idx, attn, x, rope, positions, seqs, meta: DecodeMetadata | None):
         total = x.size(0)
-        prefill = meta is None
         cos, sin = rope[attn.rope_layer_type]
         q_residual = op("rms_norm")(attn.q_a_proj(x), attn.q_a_norm.weight, self.eps)
         q = attn.q_b_proj(q_residual).view(total, self.heads, self.head_dim)
         q = op("rope")(op("rms_norm")(q, None, self.eps), cos, sin)
         kv = op("rope")(op("rms_norm")(attn.kv_proj(x), attn.kv_norm.weight, self.eps), cos, sin)  # [T, D]
 
-        window = self.stores.window
-        if prefill:
+        if meta is None:
+            window = self.stores.window
             for s in seqs:  # keep the rows the next decode steps need: the last W - 1 (+ this one)
                 keep = min(s.length, self.window)
                 first = s.start + s.length - keep
                 window.write(layer_idx, s.state.rid, first, kv[s.offset + s.length - keep: s.offset + s.length])
-        else:
-            window.write_at(layer_idx, meta.window_write_slots, kv)
-
-        entries = selections = None
-        if attn.layer_type != SLIDING:
-            entries, selections = self._compress(layer_idx, attn, x, q_residual, positions, seqs, meta)
-
-        if prefill:
+            entries = selections = None
+            if attn.layer_type != SLIDING:
+                entries, selections = self._compress_prefill(layer_idx, attn, x, q_residual, positions, seqs, rope)
             out = self._prefill_attention(layer_idx, attn, q, kv, seqs, entries, selections)
         else:
-            out = self._decode_attention(layer_idx, attn, q, meta, selections)
+            self.stores.window.write_at(layer_idx, meta.window_write_slots, kv)
+            extra = {}
+            if attn.layer_type != SLIDING:
+                chosen = self._compress_decode(layer_idx, attn, x, q_residual, rope, meta)
+                store = self._compressed_store(attn.layer_type)
+                extra = dict(extra_cache=store.cache(self.store_slot[layer_idx]),
+                             extra_indices=meta.csa_slots(chosen) if attn.layer_type == CSA else meta.hca_indices)
+            out = self._decode_attention(layer_idx, attn, q, meta, extra)
         out = op("rope")(out, cos, sin, inverse=True)
         grouped = attn.o_a_proj(out.reshape(total, self.config.o_groups, -1)).flatten(1)
         return attn.o_b_proj(grouped)
@@ -212,120 +321,95 @@ class DeepseekV4Runtime:
     def _compressed_store(self, layer_type: str) -> PagedRows:
         return self.stores.csa if layer_type == CSA else self.stores.hca
 
-    def _compress(self, layer_idx, attn, x, q_residual, positions, seqs, meta: DecodeMetadata | None):
-        """Advance the layer's compressor (and indexer) by this step's tokens; store new entries.
-
-        Returns (entries, selections). Prefill (meta None): per sequence all its compressed entries so far
-        [n_e, D] and the entries each token attends to, [length, k] entry ids with -1 for none (HCA: every
-        complete entry; CSA: the indexer's top-k). Decode: (None, the indexer's choices [B, s_q,
-        meta.csa_topk] entry ids for CSA, None for HCA: the step's metadata lists its entries)."""
-        prefill = meta is None
+    def _compress_prefill(self, layer_idx, attn, x, q_residual, positions, seqs, rope):
+        """Run the layer's compressor (and indexer) over each new request's prompt; store its entries and
+        leave its state rows for decoding. Returns (entries, selections) per sequence: all its
+        compressed entries [n_e, D] as stored (fp8: the quantization round trip) and the entries each
+        token attends to, [length, k] entry ids with -1 for none (HCA: every complete entry; CSA: the
+        indexer's top-k)."""
         comp = attn.compressor
         kind = attn.layer_type
         ratio = self.ratio[kind]
         store = self._compressed_store(kind)
         slot = self.store_slot[layer_idx]
+        rows = self.compressor_states.rows(layer_idx, "compressor")
         kv_all, gate_all = comp.kv_proj(x), comp.gate_proj(x)
         entries, selections = [], []
-        chosen = None
-        if not prefill and kind == CSA:
-            chosen = torch.full((meta.batch, meta.s_q, meta.csa_topk), -1, dtype=torch.long, device=x.device)
-        for b, s in enumerate(seqs):
-            rows = slice(s.offset, s.offset + s.length)
-            first_entry, n_entries, new = self._advance(
-                s, layer_idx, "compressor", store, slot, kv_all[rows], gate_all[rows], comp.position_bias,
-                comp.kv_norm.weight, ratio, self.head_dim, overlap=kind == CSA)
-            visible = (positions[rows] + 1) // ratio  # entries w < visible[t] are complete for token t
+        for s in seqs:
+            span = slice(s.offset, s.offset + s.length)
+            new = compressor.prefill(rows, s.state.state_row, kv_all[span], gate_all[span], comp.position_bias,
+                                     comp.kv_norm.weight, self.eps, self._compress_rope(kv_all.dtype))
+            store.write(slot, s.state.rid, 0, new)
+            visible = (positions[span] + 1) // ratio  # entries w < visible[t] are complete for token t
             if kind == CSA:
-                top = self._index(layer_idx, comp.indexer, x[rows], q_residual[rows], positions[rows], s, visible,
-                                  prefill)
-                if prefill:
-                    selections.append(top)
-                else:
-                    chosen[b, :, : top.size(1)] = top
-            elif prefill:
-                ids = torch.arange(n_entries, device=x.device)[None, :]
+                cos, sin = rope["compress"]
+                selections.append(self._index_prefill(layer_idx, comp.indexer, x[span], q_residual[span], s,
+                                                      visible, cos[span], sin[span]))
+            else:
+                ids = torch.arange(new.size(0), device=x.device)[None, :]
                 selections.append(torch.where(ids < visible[:, None], ids, -1))
-            if prefill:  # the workspace needs every entry as stored (fp8: the quantization round trip)
-                if first_entry != 0:
-                    raise ValueError(f"request {s.state.rid!r}: prefill must start from an empty compressor")
-                entries.append(store.roundtrip(new))
-        if prefill:
-            return entries, selections
-        return None, chosen
+            entries.append(store.roundtrip(new))
+        return entries, selections
 
-    def _pool(self, state, kv, gate, position_bias, norm_weight, ratio, head_dim, *, overlap):
-        """transformers' compressor step: buffer tokens until windows of `ratio` close, then pool
-        each window (softmax gate + position bias; ratio 4 overlaps the previous window's first
-        series), RMSNorm, RoPE at the window's first position. Returns the new entries [n, head_dim]."""
-        first_position = state.entries * ratio
-        if state.buffer_kv is not None and state.buffer_kv.size(0):
-            kv = torch.cat([state.buffer_kv, kv])
-            gate = torch.cat([state.buffer_gate, gate])
-        usable = (kv.size(0) // ratio) * ratio
-        state.buffer_kv, state.buffer_gate = kv[usable:], gate[usable:]
-        if usable == 0:
-            return kv.new_zeros((0, head_dim))
-        n_win = usable // ratio
-        chunk_kv = kv[:usable].view(n_win, ratio, -1)
-        chunk_gate = gate[:usable].view(n_win, ratio, -1) + position_bias
-        if overlap:
-            # Entry w pools window w-1's first series (dims :head_dim) with window w's second.
-            pooled_kv = chunk_kv.new_zeros((n_win, 2 * ratio, head_dim))
-            pooled_gate = chunk_gate.new_full((n_win, 2 * ratio, head_dim), float("-inf"))
-            pooled_kv[:, ratio:] = chunk_kv[..., head_dim:]
-            pooled_gate[:, ratio:] = chunk_gate[..., head_dim:]
-            if n_win > 1:
-                pooled_kv[1:, :ratio] = chunk_kv[:-1, :, :head_dim]
-                pooled_gate[1:, :ratio] = chunk_gate[:-1, :, :head_dim]
-            if state.overlap_kv is not None:
-                pooled_kv[0, :ratio] = state.overlap_kv.to(pooled_kv.dtype)
-                pooled_gate[0, :ratio] = state.overlap_gate.to(pooled_gate.dtype)
-            state.overlap_kv = chunk_kv[-1, :, :head_dim].clone()
-            state.overlap_gate = chunk_gate[-1, :, :head_dim].clone()
-            chunk_kv, chunk_gate = pooled_kv, pooled_gate
-        pooled = (chunk_kv * chunk_gate.softmax(dim=1, dtype=torch.float32).to(chunk_kv.dtype)).sum(dim=1)
-        pooled = op("rms_norm")(pooled, norm_weight, self.eps)
-        window_positions = torch.arange(n_win, device=kv.device) * ratio + first_position
-        cos, sin = self._cos_sin(window_positions, "compress", pooled.dtype)
-        state.entries += n_win
-        return op("rope")(pooled, cos, sin)
-
-    def _index(self, layer_idx, indexer, x, q_residual, positions, s: SeqStep, visible, prefill: bool):
-        """Lightning indexer for one sequence's new tokens: pool its keys, score every stored key,
-        keep the top-k complete entries per token: [length, k] entry ids, -1 where none."""
-        store = self.stores.indexer
-        slot = self.store_slot[layer_idx]
-        _, n_keys, _ = self._advance(s, layer_idx, "indexer", store, slot, indexer.kv_proj(x), indexer.gate_proj(x),
-                                     indexer.position_bias, indexer.kv_norm.weight, indexer.compress_rate,
-                                     indexer.head_dim, overlap=True)
+    def _index_prefill(self, layer_idx, indexer, x, q_residual, s: SeqStep, visible, cos, sin):
+        """Lightning indexer over one request's prompt: pool its keys, score every key, keep the top-k
+        complete entries per token, as transformers' prefill does: [length, k] entry ids, -1 where none."""
+        rows = self.compressor_states.rows(layer_idx, "indexer")
+        kv, gate = indexer.kv_proj(x), indexer.gate_proj(x)
+        keys = compressor.prefill(rows, s.state.state_row, kv, gate, indexer.position_bias, indexer.kv_norm.weight,
+                                  self.eps, self._compress_rope(kv.dtype))
+        self.stores.indexer.write(self.store_slot[layer_idx], s.state.rid, 0, keys)
+        n_keys = keys.size(0)
         if n_keys == 0:
             return torch.zeros((x.size(0), 0), dtype=torch.long, device=x.device)
-        keys = store.read(slot, store.slots(s.state.rid, torch.arange(n_keys)))  # [n_keys, index_head_dim]
-        cos, sin = self._cos_sin(positions, "compress", x.dtype)
-        q = indexer.q_b_proj(q_residual).view(x.size(0), indexer.num_heads, indexer.head_dim)
-        q = op("rope")(q, cos, sin)
-        scorer = indexer.scorer
-        # Same contraction shapes as the reference ([1, S, H, d] @ [1, 1, d, T]) so ties break alike.
-        scores = torch.matmul(q[None].float(), keys.t().float()[None, None])
-        scores = F.relu(scores) * scorer.softmax_scale
-        weights = scorer.weights_proj(x).float()[None] * scorer.weights_scaling
-        index_scores = (scores * weights.unsqueeze(-1)).sum(dim=2)[0]  # [S, n_keys]
-        k = min(indexer.index_topk, n_keys)
-        if prefill:  # the reference's prefill: one top-k over all keys, the future ones masked
-            future = torch.arange(n_keys, device=x.device)[None, :] >= visible[:, None]
-            top = index_scores.masked_fill(future, float("-inf")).topk(k, dim=-1).indices
-            return torch.where(top < visible[:, None], top, -1)  # picks among -inf scores are not entries
-        # Decode: token t ranks exactly its visible keys, as a one-token step does. ReLU makes exact
-        # ties (scores of 0) common, and top-k breaks them differently over a longer row, so a
-        # verification step (k + 1 tokens, keys that only its later tokens complete) would otherwise
-        # choose other entries than plain decoding.
-        top = torch.full((x.size(0), k), -1, dtype=torch.long, device=x.device)
-        for t in range(x.size(0)):
-            n = (s.start + t + 1) // self.ratio[CSA]  # visible[t], from the host-side position: no sync
-            if n:  # a [1, n] row, the very call a one-token step makes
-                top[t, : min(k, n)] = index_scores[t:t + 1, :n].topk(min(k, n), dim=-1).indices[0]
-        return top
+        q = op("rope")(indexer.q_b_proj(q_residual).view(x.size(0), indexer.num_heads, indexer.head_dim), cos, sin)
+        scores = compressor.index_scores(indexer.scorer, q[None], keys.t()[None, None], x[None])[0]  # [S, n_keys]
+        future = torch.arange(n_keys, device=x.device)[None, :] >= visible[:, None]
+        top = scores.masked_fill(future, float("-inf")).topk(min(indexer.index_topk, n_keys), dim=-1).indices
+        return torch.where(top < visible[:, None], top, -1)  # picks among -inf scores are not entries
+
+    def _compress_decode(self, layer_idx, attn, x, q_residual, rope, meta: DecodeMetadata):
+        """Advance the layer's compressor (and indexer) by the step's tokens, storing the entries they
+        complete. Returns the indexer's choices [B, s_q, meta.csa_topk] entry ids (-1: none) for CSA, None for
+        HCA (the step's metadata lists its entries). GPU ops only."""
+        comp = attn.compressor
+        store = self._compressed_store(attn.layer_type)
+        self._advance_decode(layer_idx, "compressor", comp, x, store, "csa" if attn.layer_type == CSA else "hca",
+                             meta)
+        if attn.layer_type == HCA:
+            return None
+        indexer = comp.indexer
+        index_store = self.stores.indexer
+        self._advance_decode(layer_idx, "indexer", indexer, x, index_store, "indexer", meta)
+        batch, s_q = meta.batch, meta.s_q
+        entries = meta.indexer_entry_slots
+        keys = torch.empty((batch, entries.size(1), 1, indexer.head_dim), dtype=index_store.dtype, device=x.device)
+        keys = index_store.gather(self.store_slot[layer_idx], entries, keys)[:, :, 0]  # [B, E, d]; -1: zero rows
+        cos, sin = rope["compress"]
+        q = op("rope")(indexer.q_b_proj(q_residual).view(x.size(0), indexer.num_heads, indexer.head_dim), cos, sin)
+        scores = compressor.index_scores(indexer.scorer, q.view(batch, s_q, *q.shape[1:]),
+                                         keys.transpose(1, 2)[:, None], x.view(batch, s_q, -1))  # [B, s_q, E]
+        visible = (meta.positions.view(batch, s_q) + 1) // self.ratio[CSA]
+        return compressor.decode_top_k(scores, visible, meta.csa_topk)
+
+    def _advance_decode(self, layer_idx, name, module, x, store: PagedRows, writes: str, meta: DecodeMetadata):
+        """One compressor (module: transformers' compressor or indexer of the layer) over the step's tokens,
+        one token of every request at a time; the entry a token completes goes to its write slot
+        (meta.entry_writes[writes]: -1 where none)."""
+        rows = self.compressor_states.rows(layer_idx, name)
+        batch, s_q = meta.batch, meta.s_q
+        kv = module.kv_proj(x).view(batch, s_q, -1)
+        gate = module.gate_proj(x).view(batch, s_q, -1)
+        if self.journal is not None:
+            saved = [t[meta.state_rows].clone() for t in rows.tensors()]
+            self.journal["compressors"].append(_Journaled(rows, saved, kv, gate, module.position_bias, store))
+        positions = meta.positions.view(batch, s_q)
+        slot = self.store_slot[layer_idx]
+        cos_sin = self._compress_rope(kv.dtype)
+        for j in range(s_q):
+            entry = compressor.decode_token(rows, meta.state_rows, positions[:, j], kv[:, j], gate[:, j],
+                                            module.position_bias, module.kv_norm.weight, self.eps, cos_sin)
+            store.write_at(slot, meta.entry_writes[writes][:, j], entry)
 
     def _prefill_attention(self, layer_idx, attn, q, kv, seqs, entries, selections):
         """One packed workspace [sum over sequences of (prompt rows + entry rows), 1, D] and one
@@ -335,8 +419,6 @@ class DeepseekV4Runtime:
         parts, lists = [], []
         base = 0
         for i, s in enumerate(seqs):
-            if s.start != 0:
-                raise ValueError(f"seqs[{i}]: prefill must start at position 0, got {s.start}")
             rows = window.roundtrip(kv[s.offset: s.offset + s.length])
             parts.append(rows)
             t = torch.arange(s.length, device=q.device)
@@ -364,24 +446,12 @@ class DeepseekV4Runtime:
         return op("sparse_mla_prefill")(q, workspace, index, attn.scaling, attn_sink=attn.sinks.detach(),
                                   topk_length=index_length.to(torch.int32)).out
 
-    def _decode_attention(self, layer_idx, attn, q, meta: DecodeMetadata, selections):
-        """The sliding window as main cache, the layer type's compressed store as extra cache, one call.
-        GPU ops only: the slot lists come from the step's metadata; a ratio-4 layer maps its indexer's
-        choices (entry ids, -1 for none) to slots through the step's entry slot table."""
-        layer_type = attn.layer_type
-        window = self.stores.window
-        extra = {}
-        extra_indices = None
-        if layer_type == CSA and meta.csa_topk:
-            extra_indices = meta.csa_slots(selections)
-        elif layer_type == HCA:
-            extra_indices = meta.hca_indices
-        if extra_indices is not None:
-            store = self._compressed_store(layer_type)
-            extra = dict(extra_cache=store.cache(self.store_slot[layer_idx]), extra_indices=extra_indices)
+    def _decode_attention(self, layer_idx, attn, q, meta: DecodeMetadata, extra: dict):
+        """The sliding window as main cache, the layer type's compressed store as extra cache (extra: its
+        cache and lists, none for a sliding layer), one call over the step's metadata. GPU ops only."""
         q4 = q.view(meta.batch, meta.s_q, *q.shape[1:])
-        res = op("sparse_mla_decode")(q4, window.cache(layer_idx), meta.window_indices, attn.scaling,
-                                plan=meta.plans[layer_type], attn_sink=attn.sinks.detach(), **extra)
+        res = op("sparse_mla_decode")(q4, self.stores.window.cache(layer_idx), meta.window_indices, attn.scaling,
+                                plan=meta.plans[attn.layer_type], attn_sink=attn.sinks.detach(), **extra)
         return res.out.flatten(0, 1)
 
 
@@ -389,24 +459,42 @@ class NextNRuntime:
     """Forward of the NextN (MTP) drafter layer (engine.model.nextn) over its own window store:
     row i takes token i + 1 and the hidden state h_i (the main model's, or its own for chained
     drafts), sits at position i, and predicts token i + 2. Window-only: its state is the window
-    rows, so dropping speculative rows is PagedRows.truncate alone."""
+    rows, so dropping speculative rows is PagedRows.truncate alone. Runs eagerly (no CUDA graph)."""
 
     def __init__(self, main: DeepseekV4Runtime, layer, window_store: PagedRows):
         self.main = main
         self.layer = layer
-        self.runtime = DeepseekV4Runtime(main.hf, Stores(window=window_store, csa=None, hca=None, indexer=None))
+        self.runtime = DeepseekV4Runtime(main.hf, Stores(window=window_store, csa=None, hca=None, indexer=None),
+                                         max_batch=main.max_batch, compressor_states=None)
 
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, seqs: list[SeqStep],
-                *, prefill: bool):
-        """input_ids, positions [T], hidden [T, hidden]. Returns (logits [T, vocab] fp32, the layer's
-        collapsed hidden [T, hidden]) for every row."""
+    def _streams(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         eps = self.main.eps
         layer = self.layer
         embeds = op("rms_norm")(self.main.model.embed_tokens(input_ids), layer.enorm.weight, eps)
         x = layer.eh_proj(torch.cat([embeds, op("rms_norm")(hidden, layer.hnorm.weight, eps)], dim=-1))
-        streams = x.unsqueeze(1).expand(-1, self.main.config.hc_mult, -1).contiguous()
-        rope = self.runtime.rope_tables(positions, x.dtype)
-        meta = None if prefill else build_decode_metadata(self.runtime, seqs)
-        streams = self.runtime.decoder_layer(0, layer.layer, streams, input_ids, positions, seqs, rope, meta)
-        return self.runtime.head(layer.hc_head, layer.norm.weight, streams, seqs, True, True)
+        return x.unsqueeze(1).expand(-1, self.main.config.hc_mult, -1).contiguous()
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, seqs: list[SeqStep]):
+        """input_ids, positions [T], hidden [T, hidden] on the device. Returns (logits [T, vocab] fp32, the
+        layer's collapsed hidden [T, hidden]) for every row."""
+        streams = self._streams(input_ids, hidden)
+        rope = self.runtime.rope_tables(positions, streams.dtype)
+        streams = self.runtime.decoder_layer(0, self.layer.layer, streams, input_ids, rope, positions=positions,
+                                             seqs=seqs)
+        return self.runtime.head(self.layer.hc_head, self.layer.norm.weight, streams, None, True, True)
+
+    @torch.no_grad()
+    def decode(self, input_ids, hidden: torch.Tensor, seqs: list[SeqStep]):
+        """input_ids: the B * s_q token ids on the host, hidden [B * s_q, hidden] on the device. Returns
+        (logits [B * s_q, vocab] fp32, the layer's collapsed hidden [B * s_q, hidden])."""
+        runtime = self.runtime
+        inputs = build_decode_inputs(runtime, seqs, input_ids)
+        meta = decode_metadata(inputs.host.to(runtime.device), inputs, runtime.decode_plans(inputs.key))
+        rows = inputs.batch * meta.s_q
+        hidden = F.pad(hidden, (0, 0, 0, meta.batch * meta.s_q - rows))  # the padding rows read nothing
+        streams = self._streams(meta.input_ids, hidden)
+        rope = runtime.rope_tables(meta.positions, streams.dtype)
+        streams = runtime.decoder_layer(0, self.layer.layer, streams, meta.input_ids, rope, meta=meta)
+        logits, collapsed = runtime.head(self.layer.hc_head, self.layer.norm.weight, streams, None, True, True)
+        return logits[:rows], collapsed[:rows]
