@@ -246,6 +246,7 @@ class Cell:
     """One backend on one row."""
 
     fn: object = None  # the eager call
+    backend: str | None = None  # the process's sparse MLA backend while fn runs (None: it names its kernel)
     path: str = ""
     result: tuple | None = None  # what the first call returned
     split: bool = False
@@ -265,6 +266,8 @@ def interleaved(cells: dict[str, Cell], timer: Timer, mode: str) -> None:
     for _ in range(ROUNDS):
         for name, cell in live.items():
             fn, calls, times = cell.modes[mode]
+            if cell.backend is not None:  # the entry points resolve the backend per call (eager prefill)
+                use_backend(cell.backend)
             try:
                 times.append(timer.median_ms(fn, calls))
             except Exception as exc:  # noqa: BLE001 (a row's failure is printed, the run goes on)
@@ -307,7 +310,7 @@ def run_decode_row(row: DecodeRow, backends: list[str], flashmla, timer: Timer, 
                                                                             meta, None, **kwargs)
                 cell.path = "FlashMLA sparse fp8 decode"
             else:
-                use_backend(name)
+                use_backend(cell.backend := name)
                 meta, _ = ours.get_mla_metadata()
                 out = torch.empty(*case.q.shape[:3], 512, dtype=case.q.dtype, device=device)
                 cell.fn = lambda meta=meta, out=out: ours.flash_mla_with_kvcache(case.q, case.main.cache, None, None,
@@ -357,11 +360,11 @@ def run_prefill_row(row: PrefillRow, backends: list[str], flashmla, timer: Timer
                                                                 case.attn_sink, None)
                 cell.path = "FlashMLA sparse prefill"
             elif name == "tilelang-api":
-                use_backend("tilelang")
+                use_backend(cell.backend := "tilelang")
                 cell.fn = lambda: sparse_mla_prefill(case.q, case.kv, case.indices, case.sm_scale,
                                                      attn_sink=case.attn_sink)
             else:
-                use_backend(name)
+                use_backend(cell.backend := name)
                 out_buf = torch.empty(row.s_q, row.h_q, 512, dtype=case.q.dtype, device=device)
                 cell.fn = lambda out_buf=out_buf: ours.flash_mla_sparse_fwd(case.q, case.kv, case.indices,
                                                                             case.sm_scale, attn_sink=case.attn_sink,

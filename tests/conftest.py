@@ -1,4 +1,6 @@
+import importlib.util
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,3 +68,18 @@ def launch_batches(monkeypatch):
         return sizes
 
     return record
+
+
+@pytest.fixture(scope="session")
+def built_kernel_repo(tmp_path_factory) -> Path:
+    """The kernel repository built from this checkout (scripts/build_kernel_repo.py), once per session: its
+    package name carries a digest of its files, so two builds of one checkout are one module to Python and
+    the second one loaded would be refused as another copy of an imported kernel."""
+    pytest.importorskip("kernels", reason="needs the kernels package (pyproject's test / hf-kernels extras)")
+    spec = importlib.util.spec_from_file_location(
+        "build_kernel_repo", Path(__file__).resolve().parents[1] / "scripts" / "build_kernel_repo.py")
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    root = tmp_path_factory.mktemp("kernel_repo") / "repo"
+    builder.build(root)
+    return root

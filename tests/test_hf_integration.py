@@ -91,10 +91,8 @@ def _assert_matches(run, reference, atol):
 
 
 @pytest.fixture(scope="module")
-def kernel_repo(tmp_path_factory):
-    pytest.importorskip("kernels")
-    root = tmp_path_factory.mktemp("kernel_repo")
-    build_kernel_repo.build(root)
+def kernel_repo(built_kernel_repo):
+    root = built_kernel_repo
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LOCAL_KERNELS", f"{REPO_ID}={root}")
         mp.setenv("HF_HUB_OFFLINE", "1")

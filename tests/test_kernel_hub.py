@@ -58,10 +58,8 @@ def kernels_lib():
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory, kernels_lib):
-    root = tmp_path_factory.mktemp("kernel_repo") / "repo"
-    builder.build(root)
-    return root
+def repo(built_kernel_repo, kernels_lib):
+    return built_kernel_repo
 
 
 @pytest.fixture

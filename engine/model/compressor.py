@@ -90,7 +90,7 @@ def _append(rows: CompressorRows, state_rows: torch.Tensor, positions: torch.Ten
             gate: torch.Tensor) -> None:
     slot = positions % rows.ratio
     rows.kv[state_rows, slot] = kv
-    rows.gate[state_rows, slot] = gate
+    rows.gate[state_rows, slot] = gate.to(rows.gate.dtype)  # a bf16 model's gates in float32 rows: exact
 
 
 def _advance_overlap(rows: CompressorRows, state_rows, positions, window_kv, window_gate, previous) -> None:
