@@ -423,7 +423,10 @@ def test_decode_errors_name_the_argument():
         (TypeError, "^q: expected a torch.Tensor", dict(q=q.tolist())),
         (TypeError, "^q: expected dtype", dict(q=q.half())),
         (ValueError, "^q: expected 4 dims", dict(q=q[0])),
-        (ValueError, r"^q: expected shape \[B >= 1, s_q >= 1, h_q in \(64, 128\)", dict(q=q[:, :, :32])),
+        (ValueError, r"^q: expected shape \[B >= 1, s_q >= 1, h_q in \(8, 16, 32, 64, 128\), d_qk\], got "
+                     r"\(2, 1, 12, 512\)", dict(q=q[:, :, :12], attn_sink=None)),
+        (ValueError, r"^q: expected shape \[B >= 1, s_q >= 1, h_q in \(8, 16, 32, 64, 128\)",
+         dict(q=torch.cat([q] * 4, 2), attn_sink=None)),
         (ValueError, r"^q: expected shape \[B >= 1", dict(q=q[:, :0])),
         (ValueError, "^q: expected d_qk 512 .cache holds MODEL1 rows", dict(q=q[..., :256].bfloat16(), cache=fp8,
                                                                           extra_cache=None, extra_indices=None,
@@ -479,6 +482,11 @@ def test_plan_errors_name_the_argument():
         (TypeError, r"^num_splits: expected an int or None, got float", dict(num_splits=2.0)),
         (ValueError, r"^num_splits: expected >= 1, got 0", dict(num_splits=0)),
         (ValueError, r"^backend: expected one of ref, triton, tilelang or None, got 'cuda'", dict(backend="cuda")),
+        (ValueError, r"^h_q: expected h_q in \(8, 16, 32, 64, 128\) \(the triton backend's kernels\), got 12",
+         dict(h_q=12, backend="triton")),
+        (ValueError, r"^h_q: expected h_q in \(8, 16, 32, 64, 128\)", dict(h_q=256, backend="triton")),
+        (ValueError, r"^h_q: expected h_q in \(64, 128\) on the tilelang backend \(backend='tilelang'\), got 16; "
+                     r"the triton backend runs h_q in \(8, 16, 32, 64, 128\)", dict(h_q=16, backend="tilelang")),
         (ValueError, r"^extra_cache: expected the same kind of cache as cache \(dense rows\), got fp8 V32",
          dict(extra_cache=kv_cache.new_fp8_kv_cache(kv_cache.V32, 1, 16, DEVICE), extra_topk=2)),
         (ValueError, r"^cache: ", dict(cache=torch.zeros(2, 16, 1, 600, dtype=torch.uint8, device=DEVICE))),

@@ -310,7 +310,7 @@ def test_decode_entry_validates_its_backend():
     cache = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, 1, 16, "cpu")
     for call in (lambda: ops.plan_sparse_decode(cache, batch=1, s_q=1, h_q=64, topk=1, q_dtype=torch.bfloat16,
                                                 backend="TileLang"),
-                 lambda: dispatch.decode_path(torch.bfloat16, cache.device, kv_cache.MODEL1, False, "bogus")):
+                 lambda: dispatch.decode_path(torch.bfloat16, cache.device, kv_cache.MODEL1, False, "bogus", h_q=64)):
         with pytest.raises(ValueError, match="^backend: expected one of ref, triton, tilelang or None, got"):
             call()
     with pytest.raises(ValueError, match="^kernel: no paged fp8 kernel named 'triton_portable'"):
@@ -408,8 +408,9 @@ class _CudaTensorStandIn:
     is_cuda = True
     device = torch.device("cuda", 0)
 
-    def __init__(self, dtype, strides, data_ptr=0):
+    def __init__(self, dtype, strides, data_ptr=0, h_q=64):
         self.dtype, self._strides, self._data_ptr = dtype, strides, data_ptr
+        self.shape = (1, h_q, strides[1])
 
     def stride(self, dim):
         return self._strides[dim]
@@ -444,6 +445,10 @@ def test_prefill_kernel_for_the_tensors_at_hand(monkeypatch, caplog):
         (_CudaTensorStandIn(bf16, (64 * 576, 576, 1)), _CudaTensorStandIn(bf16, (584, 584, 1)), (9, 0),
          "triton_portable", f"q / kv rows not 16-byte aligned (row strides (36864, 576, 584) elements, "
                             f"data_ptr % 16 = 0 / 0; {cost})"),
+        (_CudaTensorStandIn(bf16, (16 * 576, 576, 1), h_q=16), kv, (9, 0), "triton_portable",
+         "h_q 16: the Gluon kernel takes 64 or 128 heads (64 per CTA)"),
+        (_CudaTensorStandIn(bf16, (32 * 576, 576, 1), h_q=32), kv, (9, 0), "triton_portable",
+         "h_q 32: the Gluon kernel takes 64 or 128 heads (64 per CTA)"),
     ]
     with caplog.at_level(logging.INFO, logger=dispatch.__name__):
         for _ in range(2):
@@ -500,6 +505,6 @@ def test_decode_path_reasons(monkeypatch):
     ]
     for args, kernel, reason in cases:
         *args, aligned = args if len(args) == 6 else (*args, True)
-        got = dispatch.decode_path(*args, caches_aligned16=aligned)
+        got = dispatch.decode_path(*args, h_q=64, caches_aligned16=aligned)
         assert got == dispatch.KernelChoice("decode", kernel, reason), args
     assert len(ops.kernel_choices()) == len({(k, r) for _, k, r in cases})
