@@ -97,6 +97,37 @@ def test_decode_matches_oracle(name, splits, launches):
     _check_launches(case, plan, launches)
 
 
+# a tensor-parallel rank's heads (64 or 128 split 2-16 ways), each path once
+TP_CASES = {
+    "dense one cache, h_q 8": dict(batch=3, s_q=2, h_q=8, topk=24),
+    "dense two caches, h_q 16": dict(batch=3, s_q=2, h_q=16, topk=24, extra_topk=20),
+    "MODEL1 pages 2 / 53, h_q 32": dict(batch=2, s_q=2, h_q=32, topk=24, extra_topk=20, layout=kv_cache.MODEL1,
+                                        block_sizes=(2, 53)),
+    "V32 pages 61 / 69, padded blocks, h_q 8": dict(batch=2, s_q=1, h_q=8, topk=24, extra_topk=20,
+                                                    layout=kv_cache.V32, block_sizes=(61, 69), block_pad=3),
+}
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("name", list(TP_CASES))
+def test_tensor_parallel_head_counts_match_oracle(name, splits):
+    """h_q 8, 16, 32 on every path of the process's backend (on the CPU: triton; the prefill kernel's head
+    tile of max(16, h_q) rows, the paged fp8 kernel's own), with a split and its merge, every trap."""
+    case = decode_case(500 + 10 * list(TP_CASES).index(name) + splits, device=DEVICE, **TP_CASES[name])
+    plan = case.plan(num_splits=splits)
+    res = case.run(plan)
+    b, s_q, h_q, _ = case.q.shape
+    assert res.out.shape == (b, s_q, h_q, 512) and res.lse_log2.shape == (b, s_q, h_q)
+    check(case, plan, res)
+
+
+def test_ref_backend_takes_any_head_count():
+    """The oracle behind backend='ref' has no kernel tiles: an h_q no kernel takes (12) runs there."""
+    case = decode_case(77, batch=2, s_q=1, h_q=12, topk=16, extra_topk=8, layout=kv_cache.MODEL1, device=DEVICE)
+    plan = case.plan(num_splits=2, backend="ref")
+    check(case, plan, case.run(plan))
+
+
 @pytest.mark.parametrize("name,splits", [(FP8_CASES[0], 3), (FP8_CASES[1], 1)])
 def test_fp8_gathered_path_matches_oracle(monkeypatch, name, splits, launches):
     """fp8 caches on the gathered path (what the TileLang backend takes for float32 q or caches its paged

@@ -81,6 +81,13 @@ CPU_DECODE_CASES = {
                                extra=(24, 30, 7), all_invalid=True),
     "model1_no_sink_page576": dict(batch=2, s_q=1, h_q=64, layout=MODEL1, topk=48, s_kv=60, block_size=576,
                                    sink=False),
+    # a tensor-parallel rank's heads
+    "model1_h16_extra_lengths": dict(batch=2, s_q=2, h_q=16, layout=MODEL1, topk=64, s_kv=80, block_size=61,
+                                     extra=(64, 90, 53), topk_length=True, extra_topk_length=True),
+    "v32_h8_page2_fillers": dict(batch=3, s_q=1, h_q=8, layout=V32, topk=64, s_kv=40, block_size=2,
+                                 zero_seqlen=True, fillers=True),
+    "model1_h32_all_invalid": dict(batch=2, s_q=2, h_q=32, layout=MODEL1, topk=64, s_kv=50, block_size=5,
+                                   extra=(24, 30, 7), all_invalid=True),
 }
 
 
@@ -99,6 +106,10 @@ CPU_PREFILL_CASES = {
     "oob_topk_sink_lengths": dict(s_q=4, s_kv=95, h_q=64, topk=128, topk_length=True, sink=True),
     "d576_h128_all_invalid": dict(s_q=3, s_kv=300, h_q=128, topk=64, d_qk=576, all_invalid=True, sink=True),
     "one_row_topk_not_a_multiple": dict(s_q=1, s_kv=200, h_q=64, topk=72),
+    # a tensor-parallel rank's heads
+    "h8_d576_oob_topk_sink_lengths": dict(s_q=4, s_kv=50, h_q=8, topk=64, d_qk=576, topk_length=True, sink=True),
+    "h16_all_invalid": dict(s_q=3, s_kv=90, h_q=16, topk=40, all_invalid=True, sink=True),
+    "h32_lengths": dict(s_q=4, s_kv=70, h_q=32, topk=48, topk_length=True),
 }
 
 
