@@ -41,7 +41,7 @@ from .merge import merge_splits
 from .output import AttentionOutput
 
 D_V = 512
-HEADS_PER_PROGRAM = 64  # the kernels' head tile
+HEADS_PER_PROGRAM = 64  # the largest head tile of the kernels (h_q <= 64: one program per query row)
 # The SM90 kernels walk a query's entries in pairs of 64-entry blocks, so split chunks are cut in
 # whole pairs (a 64-entry chunk costs as much as a 128-entry one).
 SPLIT_GRANULE = 128

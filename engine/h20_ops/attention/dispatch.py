@@ -11,6 +11,10 @@ Choices (each logged once per process with its reason, and listed by `kernel_cho
     A prefill call that also returns max_logits and natural-log lse (FlashMLA's flash_mla_sparse_fwd,
     engine.h20_ops.flash_mla) runs the same kernel: each produces both itself (tilelang_sm90 in its
     with_max_logits variant; run_prefill_kernel_with_max_logits);
+  - head counts (backend_for_heads): the TileLang kernels take h_q 64 or 128; under auto resolution a
+    call of another h_q (8, 16, 32: a tensor-parallel rank's) runs the triton backend, its kernel choice's
+    reason starting "h_q 16: the TileLang kernels take 64 or 128 heads -> triton"; tilelang named
+    explicitly is refused for it (ValueError naming q / h_q), as nothing runs in place of what was named;
   - the decode path of a call (attention/decode.py): `paged_fp8` (a kernel reads the paged fp8 caches
     itself), `gathered` (the rows of both caches are gathered, dequantized if fp8, into one buffer for the
     prefill kernel) or `direct` (one dense cache: the prefill kernel reads it in place).

@@ -36,7 +36,8 @@ with an all-invalid one); the ring's phases run on across items.
   stream finishes; each partition waits for that kernel (griddepcontrol.wait) before its first global
   access and lets the next kernel launch.
 
-Constraints: bf16; h_q 64 or 128, d_qk 512 or 576, d_v 512; any topk >= 1 and s_q (64-bit offsets);
+Constraints: bf16; h_q 64 or 128 (others: `unsupported` names them; the portable kernel runs h_q 8, 16,
+32), d_qk 512 or 576, d_v 512; any topk >= 1 and s_q (64-bit offsets);
 last dims contiguous, leading dims strided; SM90 only (wgmma, setmaxnreg).
 """
 
