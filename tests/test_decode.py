@@ -603,6 +603,26 @@ def test_paged_fp8_equals_the_gathered_path(monkeypatch, batch, s_q, lengths, sp
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("h_q", [8, 16, 32])
+@pytest.mark.parametrize("name,args", [
+    ("dense two caches", dict(layout=None)),
+    ("MODEL1 pages 256 / 64", dict(block_sizes=(256, 64))),
+    ("V32 pages 61 / 69, padded", dict(layout=kv_cache.V32, block_sizes=(61, 69), block_pad=3)),
+])
+def test_tensor_parallel_head_counts_at_model_sizes_match_oracle(monkeypatch, h_q, name, args):
+    """h_q 8, 16, 32 at V4 sizes on the GPU (bf16 tensor-core dots) with the auto-resolved backend, which runs
+    them on triton (the TileLang kernels take 64 or 128 heads), split chosen and forced."""
+    monkeypatch.delenv("DEEPINFER_SPARSE_MLA_BACKEND", raising=False)
+    dispatch.reset_resolution_for_tests()
+    for batch, s_q in ((4, 2), (64, 1)):
+        case = _model_case(batch * 10 + h_q, batch, s_q, h_q, lengths=True, **args)
+        for splits in (None, 3):
+            plan = case.plan(num_splits=splits)
+            assert plan.backend == "triton", plan
+            check(case, plan, case.run(plan), name=f"{name} h_q {h_q} b {batch}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "tilelang"])
 @pytest.mark.parametrize("name,args", [
     ("dense one cache", dict(layout=None, extra_topk=0, topk=640)),
