@@ -47,7 +47,9 @@ Deliberate deviations (supersets of what FlashMLA accepts):
   - any topk and extra topk >= 1 (FlashMLA: multiples of 64 in decode, of 128 in prefill), any
     page_block_size, any block stride the layout allows (token stride = bytes per token, blocks not
     overlapping, 4-byte aligned), any b and s_q;
-  - prefill indices may also be [s_q, topk]; float32 q with the triton and ref backends.
+  - prefill indices may also be [s_q, topk]; float32 q with the triton and ref backends;
+  - h_q 8, 16 and 32 (a tensor-parallel rank's heads; callers of FlashMLA pad them to 64) in both
+    functions, run by the Triton kernels (the dispatcher's rule: docs/api.md "Head counts").
 Not supported, each a clear error (FlashMLA kills the process on some malformed inputs instead):
   dense decode (indices None: NotImplementedError); causal=True, is_fp8_kvcache=False, a cache of
   another dtype, num_splits other than None or head_dim_v other than 512 on the sparse path (FlashMLA

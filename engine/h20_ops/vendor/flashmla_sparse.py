@@ -33,13 +33,13 @@ Constraints: h_q 8, 16, 32, 64 or 128, d_qk 512 or 576, d_v 512, h_kv 1, topk >=
 block is masked, callers pad nothing), any s_q (1-D grid; 64-bit offsets), last dims contiguous (leading
 dims may be strided). The Gluon kernel: h_q 64 or 128 only (its `unsupported` names other head counts).
 Head tiles of the portable kernel (heads_per_program): 64 heads for h_q 64 and 128 (the configuration
-measured on the H200; its sm_90 PTX is the same instructions as before the small tiles); h_q 8, 16, 32 (a
-tensor-parallel rank's heads) run all heads of a query in one program, a tile of max(16, h_q) rows
-(tl.dot needs M >= 16): h_q 8's 8 extra rows re-read head 7 (no masked loads) and are never stored. The
-small tiles keep the 64-head tile's launch parameters (block_k 64, 8 warps, 2 stages), not tuned and not
-yet timed on a GPU (scripts/bench_tp_heads.py). The top-k list is not split across programs: s_q x head
-tiles programs fill the GPU at prefill sizes, and decode's calls are split by the decode plan
-(attention/decode.py) before they reach this kernel.
+measured on the H200; its sm_90 PTX has the same instructions as before the small tiles were added);
+h_q 8, 16, 32 (a tensor-parallel rank's heads) run all heads of a query in one program, a tile of
+max(16, h_q) rows (tl.dot needs M >= 16): h_q 8's 8 extra rows re-read head 7 (no masked loads) and are
+never stored. The small tiles keep the 64-head tile's launch parameters (block_k 64, 8 warps, 2 stages),
+not tuned and not yet timed on a GPU (scripts/bench_tp_heads.py). The top-k list is not split across
+programs: s_q x head tiles programs fill the GPU at prefill sizes, and decode's calls are split by the
+decode plan (attention/decode.py) before they reach this kernel.
 
 Deliberate deviations from FlashMLA:
   - float32 q/kv are accepted (the engine's float32 validation mode); their dots run with
