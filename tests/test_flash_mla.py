@@ -459,6 +459,27 @@ def test_gpu_prefill_grid(monkeypatch, backend, name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("h_q", [8, 16, 32])
+def test_gpu_tensor_parallel_head_counts(monkeypatch, h_q):
+    """A tensor-parallel rank's heads through the drop-in with the auto-resolved backend (triton for these
+    h_q): FlashMLA's V4 decode configurations and prefill at V4 / V3.2 widths."""
+    use_backend(monkeypatch, None)
+    for i, ((s_kv, topk, page), (es_kv, etopk, epage)) in enumerate(V4_SCOPES):
+        for b in (2, 74, 256):
+            case = T.flashmla_decode_case(100 * h_q + 10 * i + b, batch=b, s_q=2, h_q=h_q, layout=MODEL1, topk=topk,
+                                          s_kv=s_kv, block_size=page, extra=(etopk, es_kv, epage), topk_length=True,
+                                          extra_topk_length=True, device="cuda")
+            meta, _ = flash_mla.get_mla_metadata()
+            out, lse = run_decode(case, meta)
+            check_decode(case, out, lse, split=meta.plan.splits > 1)
+            assert meta.plan.backend == "triton", meta.plan
+    for d_qk, topk in ((512, 512), (576, 2048)):
+        case = T.prefill_case(h_q + topk, s_q=213, s_kv=4096, h_q=h_q, topk=topk, d_qk=d_qk, sink=True,
+                              topk_length=True, all_invalid=True, device="cuda")
+        check_prefill(case, *run_prefill(case))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "tilelang"])
 def test_gpu_prefill_out_is_written_in_place(monkeypatch, backend):
     """The kernel writes the caller's buffer (poisoned with NaN): the same results as without out=."""
