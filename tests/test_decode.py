@@ -97,6 +97,37 @@ def test_decode_matches_oracle(name, splits, launches):
     _check_launches(case, plan, launches)
 
 
+# a tensor-parallel rank's heads (64 or 128 split 2-16 ways), each path once
+TP_CASES = {
+    "dense one cache, h_q 8": dict(batch=3, s_q=2, h_q=8, topk=24),
+    "dense two caches, h_q 16": dict(batch=3, s_q=2, h_q=16, topk=24, extra_topk=20),
+    "MODEL1 pages 2 / 53, h_q 32": dict(batch=2, s_q=2, h_q=32, topk=24, extra_topk=20, layout=kv_cache.MODEL1,
+                                        block_sizes=(2, 53)),
+    "V32 pages 61 / 69, padded blocks, h_q 8": dict(batch=2, s_q=1, h_q=8, topk=24, extra_topk=20,
+                                                    layout=kv_cache.V32, block_sizes=(61, 69), block_pad=3),
+}
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("name", list(TP_CASES))
+def test_tensor_parallel_head_counts_match_oracle(name, splits):
+    """h_q 8, 16, 32 on every path of the process's backend (on the CPU: triton; the prefill kernel's head
+    tile of max(16, h_q) rows, the paged fp8 kernel's own), with a split and its merge, every trap."""
+    case = decode_case(500 + 10 * list(TP_CASES).index(name) + splits, device=DEVICE, **TP_CASES[name])
+    plan = case.plan(num_splits=splits)
+    res = case.run(plan)
+    b, s_q, h_q, _ = case.q.shape
+    assert res.out.shape == (b, s_q, h_q, 512) and res.lse_log2.shape == (b, s_q, h_q)
+    check(case, plan, res)
+
+
+def test_ref_backend_takes_any_head_count():
+    """The oracle behind backend='ref' has no kernel tiles: an h_q no kernel takes (12) runs there."""
+    case = decode_case(77, batch=2, s_q=1, h_q=12, topk=16, extra_topk=8, layout=kv_cache.MODEL1, device=DEVICE)
+    plan = case.plan(num_splits=2, backend="ref")
+    check(case, plan, case.run(plan))
+
+
 @pytest.mark.parametrize("name,splits", [(FP8_CASES[0], 3), (FP8_CASES[1], 1)])
 def test_fp8_gathered_path_matches_oracle(monkeypatch, name, splits, launches):
     """fp8 caches on the gathered path (what the TileLang backend takes for float32 q or caches its paged
@@ -423,7 +454,10 @@ def test_decode_errors_name_the_argument():
         (TypeError, "^q: expected a torch.Tensor", dict(q=q.tolist())),
         (TypeError, "^q: expected dtype", dict(q=q.half())),
         (ValueError, "^q: expected 4 dims", dict(q=q[0])),
-        (ValueError, r"^q: expected shape \[B >= 1, s_q >= 1, h_q in \(64, 128\)", dict(q=q[:, :, :32])),
+        (ValueError, r"^q: expected shape \[B >= 1, s_q >= 1, h_q in \(8, 16, 32, 64, 128\), d_qk\], got "
+                     r"\(2, 1, 12, 512\)", dict(q=q[:, :, :12], attn_sink=None)),
+        (ValueError, r"^q: expected shape \[B >= 1, s_q >= 1, h_q in \(8, 16, 32, 64, 128\)",
+         dict(q=torch.cat([q] * 4, 2), attn_sink=None)),
         (ValueError, r"^q: expected shape \[B >= 1", dict(q=q[:, :0])),
         (ValueError, "^q: expected d_qk 512 .cache holds MODEL1 rows", dict(q=q[..., :256].bfloat16(), cache=fp8,
                                                                           extra_cache=None, extra_indices=None,
@@ -479,6 +513,11 @@ def test_plan_errors_name_the_argument():
         (TypeError, r"^num_splits: expected an int or None, got float", dict(num_splits=2.0)),
         (ValueError, r"^num_splits: expected >= 1, got 0", dict(num_splits=0)),
         (ValueError, r"^backend: expected one of ref, triton, tilelang or None, got 'cuda'", dict(backend="cuda")),
+        (ValueError, r"^h_q: expected h_q in \(8, 16, 32, 64, 128\) \(the triton backend's kernels\), got 12",
+         dict(h_q=12, backend="triton")),
+        (ValueError, r"^h_q: expected h_q in \(8, 16, 32, 64, 128\)", dict(h_q=256, backend="triton")),
+        (ValueError, r"^h_q: expected h_q in \(64, 128\) on the tilelang backend \(backend='tilelang'\), got 16; "
+                     r"the triton backend runs h_q in \(8, 16, 32, 64, 128\)", dict(h_q=16, backend="tilelang")),
         (ValueError, r"^extra_cache: expected the same kind of cache as cache \(dense rows\), got fp8 V32",
          dict(extra_cache=kv_cache.new_fp8_kv_cache(kv_cache.V32, 1, 16, DEVICE), extra_topk=2)),
         (ValueError, r"^cache: ", dict(cache=torch.zeros(2, 16, 1, 600, dtype=torch.uint8, device=DEVICE))),
@@ -561,6 +600,26 @@ def test_paged_fp8_equals_the_gathered_path(monkeypatch, batch, s_q, lengths, sp
     assert (plan.path, plan.kernel) == ("gathered", "tilelang_sm90")
     gathered = case.run(plan)
     assert torch.equal(paged.lse_log2, gathered.lse_log2) and torch.equal(paged.out, gathered.out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_q", [8, 16, 32])
+@pytest.mark.parametrize("name,args", [
+    ("dense two caches", dict(layout=None)),
+    ("MODEL1 pages 256 / 64", dict(block_sizes=(256, 64))),
+    ("V32 pages 61 / 69, padded", dict(layout=kv_cache.V32, block_sizes=(61, 69), block_pad=3)),
+])
+def test_tensor_parallel_head_counts_at_model_sizes_match_oracle(monkeypatch, h_q, name, args):
+    """h_q 8, 16, 32 at V4 sizes on the GPU (bf16 tensor-core dots) with the auto-resolved backend, which runs
+    them on triton (the TileLang kernels take 64 or 128 heads), split chosen and forced."""
+    monkeypatch.delenv("DEEPINFER_SPARSE_MLA_BACKEND", raising=False)
+    dispatch.reset_resolution_for_tests()
+    for batch, s_q in ((4, 2), (64, 1)):
+        case = _model_case(batch * 10 + h_q, batch, s_q, h_q, lengths=True, **args)
+        for splits in (None, 3):
+            plan = case.plan(num_splits=splits)
+            assert plan.backend == "triton", plan
+            check(case, plan, case.run(plan), name=f"{name} h_q {h_q} b {batch}")
 
 
 @pytest.mark.gpu

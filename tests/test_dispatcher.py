@@ -310,7 +310,7 @@ def test_decode_entry_validates_its_backend():
     cache = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, 1, 16, "cpu")
     for call in (lambda: ops.plan_sparse_decode(cache, batch=1, s_q=1, h_q=64, topk=1, q_dtype=torch.bfloat16,
                                                 backend="TileLang"),
-                 lambda: dispatch.decode_path(torch.bfloat16, cache.device, kv_cache.MODEL1, False, "bogus")):
+                 lambda: dispatch.decode_path(torch.bfloat16, cache.device, kv_cache.MODEL1, False, "bogus", h_q=64)):
         with pytest.raises(ValueError, match="^backend: expected one of ref, triton, tilelang or None, got"):
             call()
     with pytest.raises(ValueError, match="^kernel: no paged fp8 kernel named 'triton_portable'"):
@@ -408,8 +408,9 @@ class _CudaTensorStandIn:
     is_cuda = True
     device = torch.device("cuda", 0)
 
-    def __init__(self, dtype, strides, data_ptr=0):
+    def __init__(self, dtype, strides, data_ptr=0, h_q=64):
         self.dtype, self._strides, self._data_ptr = dtype, strides, data_ptr
+        self.shape = (1, h_q, strides[1])
 
     def stride(self, dim):
         return self._strides[dim]
@@ -444,6 +445,10 @@ def test_prefill_kernel_for_the_tensors_at_hand(monkeypatch, caplog):
         (_CudaTensorStandIn(bf16, (64 * 576, 576, 1)), _CudaTensorStandIn(bf16, (584, 584, 1)), (9, 0),
          "triton_portable", f"q / kv rows not 16-byte aligned (row strides (36864, 576, 584) elements, "
                             f"data_ptr % 16 = 0 / 0; {cost})"),
+        (_CudaTensorStandIn(bf16, (16 * 576, 576, 1), h_q=16), kv, (9, 0), "triton_portable",
+         "h_q 16: the Gluon kernel takes 64 or 128 heads (64 per CTA)"),
+        (_CudaTensorStandIn(bf16, (32 * 576, 576, 1), h_q=32), kv, (9, 0), "triton_portable",
+         "h_q 32: the Gluon kernel takes 64 or 128 heads (64 per CTA)"),
     ]
     with caplog.at_level(logging.INFO, logger=dispatch.__name__):
         for _ in range(2):
@@ -500,6 +505,88 @@ def test_decode_path_reasons(monkeypatch):
     ]
     for args, kernel, reason in cases:
         *args, aligned = args if len(args) == 6 else (*args, True)
-        got = dispatch.decode_path(*args, caches_aligned16=aligned)
+        got = dispatch.decode_path(*args, h_q=64, caches_aligned16=aligned)
         assert got == dispatch.KernelChoice("decode", kernel, reason), args
     assert len(ops.kernel_choices()) == len({(k, r) for _, k, r in cases})
+
+
+# ---------------------------------------------------------------------------------------------
+# head counts the TileLang kernels do not take (a tensor-parallel rank's h_q 8, 16, 32)
+# ---------------------------------------------------------------------------------------------
+
+HEADS_NOTE = "h_q {}: the TileLang kernels take 64 or 128 heads -> triton"
+GLUON_HEADS = "h_q {}: the Gluon kernel takes 64 or 128 heads (64 per CTA)"
+
+
+def test_auto_tilelang_runs_other_head_counts_on_triton_and_says_why(fresh_process, caplog):
+    """Auto resolution picked tilelang (an SM90 with TileLang): an h_q its kernels do not take runs the
+    triton backend, each choice with that reason (recorded and logged), and the results match the oracle;
+    h_q 64 stays on TileLang."""
+    fresh_process.setitem(sys.modules, KERNEL_MODULE, _fake_kernel_module())
+    assert dispatch.resolve_backend() == "tilelang"
+    prefill = testing.prefill_case(5, s_q=3, h_q=16, d_qk=512, s_kv=30, topk=16, topk_length=True, sink=True)
+    fp8 = testing.decode_case(6, batch=2, s_q=1, h_q=8, topk=8, extra_topk=4, layout=kv_cache.MODEL1)
+    with caplog.at_level(logging.INFO, logger=dispatch.__name__):
+        res = ops.sparse_mla_prefill(prefill.q, prefill.kv, prefill.indices, prefill.sm_scale, **prefill.kwargs())
+        testing.assert_matches_oracle(res, prefill.oracle(), decode=False)
+        plan = fp8.plan()
+        assert (plan.backend, plan.path, plan.kernel) == ("triton", "paged_fp8", "triton_paged_fp8")
+        testing.assert_matches_oracle(fp8.run(), fp8.oracle(), decode=True)
+        q64 = prefill.q.new_zeros(3, 64, 512)
+        assert dispatch.prefill_kernel(q64, prefill.kv).kernel == "tilelang_sm90"
+    want = [
+        dict(op="prefill", kernel="triton_portable", reason=f"{HEADS_NOTE.format(16)}; {GLUON_HEADS.format(16)}"),
+        dict(op="decode", kernel="paged_fp8: triton_paged_fp8",
+             reason=f"{HEADS_NOTE.format(8)}; backend triton, MODEL1 fp8 caches"),
+        dict(op="prefill", kernel="tilelang_sm90", reason="auto: TileLang kernel module imported"),
+    ]
+    assert ops.kernel_choices() == want
+    assert _choice_lines(caplog) == [f"sparse MLA {c['op']} kernel: {c['kernel']} ({c['reason']})" for c in want]
+
+
+def test_decode_paths_for_other_head_counts(fresh_process, monkeypatch):
+    """The buffer kernel of the direct / gathered paths on an SM90: the Gluon kernel for h_q 64, the portable
+    one (with the reason) for h_q 16 and 32, whichever way triton was reached."""
+    fresh_process.setitem(sys.modules, KERNEL_MODULE, _fake_kernel_module())
+    monkeypatch.setattr(dispatch, "triton_interprets", lambda: False)
+    monkeypatch.setattr(dispatch, "cuda_capability", lambda device: (9, 0))
+    cuda, bf16 = torch.device("cuda", 0), torch.bfloat16
+    cases = [  # (backend, h_q, extra cache) -> kernel, reason
+        (("triton", 64, False), "direct: triton_gluon_sm90", "one dense cache, read in place"),
+        (("triton", 16, False), "direct: triton_portable", "one dense cache, read in place"),
+        ((None, 32, True), "gathered: triton_portable",
+         f"{HEADS_NOTE.format(32)}; two dense caches: rows gathered into one buffer"),
+        ((None, 64, True), "gathered: tilelang_sm90", "two dense caches: rows gathered into one buffer"),
+    ]
+    for (backend, h_q, extra), kernel, reason in cases:
+        got = dispatch.decode_path(bf16, cuda, None, extra, backend, h_q=h_q)
+        assert got == dispatch.KernelChoice("decode", kernel, reason), (backend, h_q)
+
+
+def test_tilelang_named_with_other_head_counts_is_refused(fresh_process):
+    """DEEPINFER_SPARSE_MLA_BACKEND=tilelang (or backend='tilelang') asks for kernels that take 64 or 128
+    heads: every entry point refuses h_q 16 under its argument's name, with both accepted sets, and runs
+    nothing elsewhere in its place."""
+    fresh_process.setitem(sys.modules, KERNEL_MODULE, _fake_kernel_module())
+    fresh_process.setenv("DEEPINFER_SPARSE_MLA_BACKEND", "tilelang")
+    from engine.h20_ops import flash_mla
+
+    prefill = testing.prefill_case(7, s_q=2, h_q=16, d_qk=512, s_kv=16, topk=8)
+    fp8 = testing.flashmla_decode_case(8, batch=1, s_q=1, h_q=16, layout=kv_cache.MODEL1, topk=8, s_kv=20,
+                                       block_size=4)
+    rest = (r" on the tilelang backend \((DEEPINFER_SPARSE_MLA_BACKEND=tilelang|backend='tilelang')\), got 16; "
+            r"the triton backend runs h_q in \(8, 16, 32, 64, 128\)$")
+    calls = [
+        ("q", lambda: ops.sparse_mla_prefill(prefill.q, prefill.kv, prefill.indices, prefill.sm_scale)),
+        ("q", lambda: flash_mla.flash_mla_sparse_fwd(prefill.q, prefill.kv, prefill.indices, prefill.sm_scale)),
+        ("q", lambda: dispatch.prefill_kernel(prefill.q, prefill.kv, "tilelang")),
+        ("q", lambda: fp8.run()),
+        ("h_q", lambda: fp8.plan()),
+        ("q", lambda: flash_mla.flash_mla_with_kvcache(fp8.q, fp8.main.cache, None, None, 512,
+                                                       flash_mla.get_mla_metadata()[0],
+                                                       **testing.flashmla_decode_kwargs(fp8))),
+    ]
+    for name, call in calls:
+        with pytest.raises(ValueError, match=f"^{name}: expected h_q in \\(64, 128\\){rest}"):
+            call()
+    assert ops.kernel_choices() == []

@@ -81,6 +81,13 @@ CPU_DECODE_CASES = {
                                extra=(24, 30, 7), all_invalid=True),
     "model1_no_sink_page576": dict(batch=2, s_q=1, h_q=64, layout=MODEL1, topk=48, s_kv=60, block_size=576,
                                    sink=False),
+    # a tensor-parallel rank's heads
+    "model1_h16_extra_lengths": dict(batch=2, s_q=2, h_q=16, layout=MODEL1, topk=64, s_kv=80, block_size=61,
+                                     extra=(64, 90, 53), topk_length=True, extra_topk_length=True),
+    "v32_h8_page2_fillers": dict(batch=3, s_q=1, h_q=8, layout=V32, topk=64, s_kv=40, block_size=2,
+                                 zero_seqlen=True, fillers=True),
+    "model1_h32_all_invalid": dict(batch=2, s_q=2, h_q=32, layout=MODEL1, topk=64, s_kv=50, block_size=5,
+                                   extra=(24, 30, 7), all_invalid=True),
 }
 
 
@@ -99,6 +106,10 @@ CPU_PREFILL_CASES = {
     "oob_topk_sink_lengths": dict(s_q=4, s_kv=95, h_q=64, topk=128, topk_length=True, sink=True),
     "d576_h128_all_invalid": dict(s_q=3, s_kv=300, h_q=128, topk=64, d_qk=576, all_invalid=True, sink=True),
     "one_row_topk_not_a_multiple": dict(s_q=1, s_kv=200, h_q=64, topk=72),
+    # a tensor-parallel rank's heads
+    "h8_d576_oob_topk_sink_lengths": dict(s_q=4, s_kv=50, h_q=8, topk=64, d_qk=576, topk_length=True, sink=True),
+    "h16_all_invalid": dict(s_q=3, s_kv=90, h_q=16, topk=40, all_invalid=True, sink=True),
+    "h32_lengths": dict(s_q=4, s_kv=70, h_q=32, topk=48, topk_length=True),
 }
 
 
@@ -280,7 +291,7 @@ def _bad_calls(case: T.DecodeCase):
         (dict(topk_length=case.topk_length[:1]), ValueError, "topk_length"),
         (dict(attn_sink=case.attn_sink.double()), TypeError, "attn_sink"),
         (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
-        (dict(q=q[:, :, :32]), ValueError, "q"),
+        (dict(q=q[:, :, :12]), ValueError, "q"),
         (dict(q=q.half()), TypeError, "q"),
         (dict(out=torch.empty(2, 2, 64, 512, dtype=torch.float32, device=q.device)), TypeError, "out"),
         (dict(out=torch.empty(2, 2, 64, 256, dtype=q.dtype, device=q.device)), ValueError, "out"),
@@ -317,7 +328,7 @@ def test_bad_prefill_inputs_name_the_argument():
         (dict(out=torch.empty(2 * 64 * 512 + 8, dtype=case.q.dtype, device=case.q.device)[1:2 * 64 * 512 + 1]
               .view(2, 64, 512)), ValueError, "out"),  # 16-byte alignment (the TileLang kernel's TMA store)
         (dict(indices=case.indices.long()), TypeError, "indices"),
-        (dict(q=case.q[:, :32]), ValueError, "q"),
+        (dict(q=case.q[:, :12]), ValueError, "q"),
         (dict(d_v=576), ValueError, "d_v"),
         (dict(topk_length=torch.zeros(3, dtype=torch.int32, device=case.q.device)), ValueError, "topk_length"),
     ]
@@ -445,6 +456,27 @@ def test_gpu_prefill_grid(monkeypatch, backend, name):
     check_prefill(case, *run_prefill(case))
     kernel = dispatch.kernel_choices()[-1]["kernel"]
     assert (kernel == "tilelang_sm90") if backend == "tilelang" else kernel.startswith("triton_"), kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_q", [8, 16, 32])
+def test_gpu_tensor_parallel_head_counts(monkeypatch, h_q):
+    """A tensor-parallel rank's heads through the drop-in with the auto-resolved backend (triton for these
+    h_q): FlashMLA's V4 decode configurations and prefill at V4 / V3.2 widths."""
+    use_backend(monkeypatch, None)
+    for i, ((s_kv, topk, page), (es_kv, etopk, epage)) in enumerate(V4_SCOPES):
+        for b in (2, 74, 256):
+            case = T.flashmla_decode_case(100 * h_q + 10 * i + b, batch=b, s_q=2, h_q=h_q, layout=MODEL1, topk=topk,
+                                          s_kv=s_kv, block_size=page, extra=(etopk, es_kv, epage), topk_length=True,
+                                          extra_topk_length=True, device="cuda")
+            meta, _ = flash_mla.get_mla_metadata()
+            out, lse = run_decode(case, meta)
+            check_decode(case, out, lse, split=meta.plan.splits > 1)
+            assert meta.plan.backend == "triton", meta.plan
+    for d_qk, topk in ((512, 512), (576, 2048)):
+        case = T.prefill_case(h_q + topk, s_q=213, s_kv=4096, h_q=h_q, topk=topk, d_qk=d_qk, sink=True,
+                              topk_length=True, all_invalid=True, device="cuda")
+        check_prefill(case, *run_prefill(case))
 
 
 @pytest.mark.gpu

@@ -82,6 +82,31 @@ def test_matches_oracle(s_q, h_q, d_qk):
     check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=sink)
 
 
+@pytest.mark.parametrize("h_q,d_qk", [(8, 576), (16, 512), (32, 576)])
+def test_tensor_parallel_head_counts(h_q, d_qk):
+    """h_q 8, 16, 32 (a tensor-parallel rank's heads) in one program per query: a head tile of max(16, h_q)
+    rows, not 64. Fillers of every kind, poisoned unselected rows, topk_length 0 / 1 / past topk, sinks
+    +-inf; the rows past h_q of h_q 8's 16-row tile are never stored (the buffer's next row stays NaN)."""
+    s_q, s_kv, topk = 5, 90, 70
+    gen, q, kv = make_inputs(300 + h_q, s_q, h_q, d_qk, s_kv)
+    indices = random_indices(gen, s_q, s_kv, topk, n_valid=50, fillers=(-1, s_kv, INT32_MAX, INT32_MIN))
+    topk_length = torch.tensor([0, 1, 33, 70, 75], dtype=torch.int32)
+    kv = poison_rows(kv, indices, topk_length)
+    sink = torch.randn(h_q, generator=gen)
+    sink[0::3], sink[1::5] = float("inf"), float("-inf")
+    out, _, _, _ = check_against_oracle(q, kv, indices, d_qk ** -0.5, attn_sink=sink, topk_length=topk_length)
+    buf = torch.full((s_q + 1, h_q, 512), float("nan"), dtype=q.dtype, device=DEVICE)
+    run(q.to(DEVICE), kv.to(DEVICE), indices.to(DEVICE), d_qk ** -0.5, attn_sink=sink.to(DEVICE),
+        topk_length=topk_length.to(DEVICE), out=buf[:s_q])
+    assert torch.equal(buf[:s_q].cpu(), out) and bool(buf[s_q].isnan().all())
+
+
+def test_head_tile_per_head_count():
+    """64 heads per program for h_q 64 and 128 (the GPU-tuned configuration), h_q's own power of two >= 16
+    otherwise."""
+    assert [flashmla_sparse.heads_per_program(h) for h in (8, 16, 32, 64, 128)] == [16, 16, 32, 64, 64]
+
+
 def test_topk_larger_than_s_kv_valid_entries_spread():
     """FlagGems 5.0.2 drops valid entries placed after position ~s_kv here."""
     s_q, h_q, d_qk, s_kv, topk = 16, 64, 576, 128, 512
@@ -260,7 +285,7 @@ def _valid_args():
     (dict(q=lambda a: a["q"].half()), TypeError, "q: expected dtype"),
     (dict(kv=lambda a: a["kv"].float()), TypeError, "kv: expected dtype"),
     (dict(indices=lambda a: a["indices"].long()), TypeError, "indices: expected dtype"),
-    (dict(q=lambda a: a["q"][:, :32]), ValueError, "q: expected h_q"),
+    (dict(q=lambda a: a["q"][:, :12]), ValueError, r"q: expected h_q in \(8, 16, 32, 64, 128\), got 12"),
     (dict(q=lambda a: torch.zeros(2, 64, 640, dtype=torch.bfloat16, device=DEVICE),
           kv=lambda a: torch.zeros(8, 1, 640, dtype=torch.bfloat16, device=DEVICE)), ValueError, "q: expected d_qk"),
     (dict(kv=lambda a: a["kv"].expand(8, 2, 512)), ValueError, "kv: expected 1 kv head"),
@@ -289,10 +314,13 @@ def test_bad_input_raises_naming_the_argument(change, error, match):
 
 def test_the_gluon_kernel_refuses_tensors_it_cannot_run():
     """kernel='gluon_sm90' is refused by name, with the reason, for tensors that kernel cannot run (here:
-    Triton's interpreter or CPU tensors, float32), instead of failing inside Triton."""
+    Triton's interpreter or CPU tensors, float32, h_q other than 64 or 128), instead of failing inside Triton."""
     args = _valid_args() | dict(kernel="gluon_sm90")
     with pytest.raises(ValueError, match="^kernel: 'gluon_sm90' cannot run these tensors"):
         flash_mla_sparse_fwd(**(args | dict(q=args["q"].float(), kv=args["kv"].float())))
+    with pytest.raises(ValueError, match=r"^kernel: 'gluon_sm90' cannot run these tensors: h_q 16: the Gluon kernel "
+                                         r"takes 64 or 128 heads \(64 per CTA\)$"):
+        flash_mla_sparse_fwd(**(args | dict(q=args["q"][:, :16])))
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match=r"^kernel: 'gluon_sm90' cannot run these tensors: Triton's interpreter"):
             flash_mla_sparse_fwd(**args)
@@ -395,9 +423,9 @@ from triton.compiler import ASTSource
 from engine.h20_ops.vendor import flashmla_sparse as fs
 
 kernel = fs._sparse_mla_fwd_kernel
-d_qk = int(sys.argv[1])
+d_qk, h_q = int(sys.argv[1]), int(sys.argv[2])
 cfg = fs.default_config(torch.bfloat16)
-constexprs = dict(H_TILES=1, BLOCK_H=64, BLOCK_K=cfg.block_k, D_V=512, D_ROPE=d_qk - 512, HAS_SINK=True,
+constexprs = dict(H_Q=h_q, H_TILES=1, BLOCK_H=fs.heads_per_program(h_q), BLOCK_K=cfg.block_k, D_V=512, D_ROPE=d_qk - 512, HAS_SINK=True,
                   HAS_TOPK_LENGTH=True, DOT_F32=False, INPUT_PRECISION="tf32", DEPENDENT_LAUNCH=True)
 signature, attrs = signature_of(kernel, constexprs)
 compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
@@ -416,17 +444,30 @@ def test_qk_is_split_between_warpgroups_in_the_sm90_build(d_qk):
     wgmma has 4 warps along the 64 heads and 2 along the 64 entries, i.e. each warpgroup computes
     half of the scores. With [8, 1] both warpgroups would compute all of them (twice the Q.K^T work,
     -20% on the H200); a Triton upgrade or an edit of the loop that brings that back fails here."""
+    lines = _sm90_build(d_qk, 64)
+    assert lines["QK"] == "['4, 2']", lines
+    assert int(lines["SHARED"]) <= 232448, "does not fit the 227 KB of shared memory of an SM90 CTA"
+
+
+@pytest.mark.parametrize("h_q", [8, 32])
+def test_tensor_parallel_head_tiles_build_for_sm90(h_q):
+    """The 16-row tile of h_q 8 (8 rows masked) and the 32-row tile of h_q 32 compiled for sm_90 on this
+    machine: they build and fit an SM90 CTA's shared memory."""
+    lines = _sm90_build(576, h_q)
+    assert int(lines["SHARED"]) <= 232448, "does not fit the 227 KB of shared memory of an SM90 CTA"
+
+
+def _sm90_build(d_qk: int, h_q: int) -> dict[str, str]:
+    """The portable kernel compiled for sm_90 (a real compile, not the interpreter) -> its QK / SHARED lines."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "TRITON_INTERPRET": "0"}  # a real compile, not the interpreter
-    result = subprocess.run([sys.executable, "-c", SM90_COMPILE, str(d_qk)], env=env, capture_output=True,
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    result = subprocess.run([sys.executable, "-c", SM90_COMPILE, str(d_qk), str(h_q)], env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("QK", "SHARED")))
-    assert lines["QK"] == "['4, 2']", result.stdout
-    assert int(lines["SHARED"]) <= 232448, "does not fit the 227 KB of shared memory of an SM90 CTA"
+    return dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("QK", "SHARED")))
 
 
 SM90_GLUON_COMPILE = SM90_SIGNATURE + r"""

@@ -34,6 +34,35 @@ def test_prefill_matches_oracle(backend, dtype):
     assert bool((res.out[empty] == 0).all()) and bool(torch.isposinf(res.lse_log2[empty]).all())
 
 
+@pytest.mark.parametrize("h_q,d_qk", [(8, 576), (16, 512), (32, 576)])
+@pytest.mark.parametrize("backend", ["ref", "triton"])
+def test_tensor_parallel_head_counts_match_oracle(backend, h_q, d_qk):
+    """A tensor-parallel rank's share of the heads (64 or 128 split 2-16 ways): h_q 8, 16 and 32 run as they
+    are (the portable Triton kernel's head tile of max(16, h_q) rows, not padded to 64), every trap at once."""
+    case = prefill_case(200 + h_q, s_q=5, h_q=h_q, d_qk=d_qk, s_kv=60, topk=40, n_valid=30, device=DEVICE,
+                        topk_length=True, all_invalid=True, sink=True)
+    res = ops.sparse_mla_prefill(case.q, case.kv, case.indices, case.sm_scale, backend=backend, **case.kwargs())
+    assert res.out.shape == (5, h_q, 512) and res.lse_log2.shape == (5, h_q)
+    assert_matches_oracle(res, case.oracle(), decode=False)
+
+
+def test_ref_backend_takes_any_head_count():
+    """The oracle behind backend='ref' has no kernel tiles: an h_q no kernel takes (12) runs there."""
+    case = prefill_case(19, s_q=3, h_q=12, d_qk=512, s_kv=30, topk=16, device=DEVICE, sink=True)
+    res = ops.sparse_mla_prefill(case.q, case.kv, case.indices, case.sm_scale, backend="ref", **case.kwargs())
+    assert_matches_oracle(res, case.oracle(), decode=False)
+
+
+def test_tilelang_backend_named_with_other_head_counts_is_refused():
+    """backend='tilelang' asks for kernels that take 64 or 128 heads: h_q 16 is refused under q's name with
+    both accepted sets (before any TileLang import), not run elsewhere silently."""
+    case = prefill_case(18, s_q=2, h_q=16, d_qk=512, s_kv=8, topk=4)
+    with pytest.raises(ValueError, match=r"^q: expected h_q in \(64, 128\) on the tilelang backend "
+                                         r"\(backend='tilelang'\), got 16; the triton backend runs h_q in "
+                                         r"\(8, 16, 32, 64, 128\)$"):
+        ops.sparse_mla_prefill(case.q, case.kv, case.indices, case.sm_scale, backend="tilelang")
+
+
 @pytest.mark.parametrize("backend", ["ref", "triton"])
 def test_prefill_of_no_query(backend):
     q = torch.zeros(0, 64, 512, device=DEVICE)
@@ -71,7 +100,9 @@ def test_prefill_errors_name_the_argument(backend):
     ]
     if backend == "triton":  # the kernels' shape and layout limits (the reference takes any)
         cases += [
-            (ValueError, r"^q: expected h_q in \(64, 128\)", dict(q=q[:, :32], attn_sink=None)),
+            (ValueError, r"^q: expected h_q in \(8, 16, 32, 64, 128\), got 12", dict(q=q[:, :12], attn_sink=None)),
+            (ValueError, r"^q: expected h_q in \(8, 16, 32, 64, 128\), got 256",
+             dict(q=torch.cat([q] * 4, 1), attn_sink=None)),
             (ValueError, r"^q: expected d_qk in \(512, 576\)", dict(q=q[..., :256], kv=kv[..., :256], d_v=256)),
             (ValueError, r"^d_v: expected one of \(512,\)", dict(d_v=256)),
             (ValueError, "^q: the last dim must be contiguous", dict(q=torch.stack([q, q], -1)[..., 0])),
@@ -119,6 +150,20 @@ def test_prefill_at_model_sizes_matches_oracle(backend, h_q, d_qk, topk):
     assert_matches_oracle(res, case.oracle(), decode=False)
     if backend == "triton" and _on_sm90():
         assert dispatch.prefill_kernel(case.q, case.kv, "triton").kernel == "triton_gluon_sm90"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_q,d_qk,topk", [(8, 512, 512), (16, 512, 2048), (32, 576, 2048)])
+def test_tensor_parallel_head_counts_at_model_sizes_match_oracle(h_q, d_qk, topk):
+    """h_q 8, 16, 32 on the GPU (bf16 tensor-core dots, which the CPU interpreter does not run): the portable
+    Triton kernel, the dispatcher naming why (the Gluon kernel takes 64 or 128 heads)."""
+    dispatch.reset_resolution_for_tests()
+    case = prefill_case(h_q + topk, s_q=300, h_q=h_q, d_qk=d_qk, s_kv=4096, topk=topk, n_valid=topk * 9 // 10,
+                        device="cuda", topk_length=True, all_invalid=True, sink=True)
+    res = ops.sparse_mla_prefill(case.q, case.kv, case.indices, case.sm_scale, backend="triton", **case.kwargs())
+    assert_matches_oracle(res, case.oracle(), decode=False)
+    choice = dispatch.prefill_kernel(case.q, case.kv, "triton")
+    assert choice.kernel == "triton_portable" and f"h_q {h_q}: the Gluon kernel takes 64 or 128" in choice.reason
 
 
 @pytest.mark.gpu

@@ -43,6 +43,7 @@ class Resolution:
     backend: str
     reason: str
     tilelang_missing: str | None  # the ModuleNotFoundError text when auto resolution fell back
+    requested: bool = False  # named by the op's override variable (not auto resolution)
 
 
 def _is_tilelang(name: str | None) -> bool:
@@ -129,10 +130,10 @@ class BackendSelector:
             install_tilelang_block()
         requested = self.requested()
         if requested is not None and requested != "tilelang":
-            return Resolution(requested, f"{self.variable}={requested}", None)
+            return Resolution(requested, f"{self.variable}={requested}", None, requested=True)
         if requested == "tilelang":
             import_tilelang_module_or_explain(self.tilelang_module, f"{self.variable}=tilelang")
-            return Resolution("tilelang", f"{self.variable}=tilelang", None)
+            return Resolution("tilelang", f"{self.variable}=tilelang", None, requested=True)
         if not torch.cuda.is_available():
             reason = ("auto: no CUDA device (Triton interpreter)" if triton_interprets() else
                       "auto: no CUDA device, and TRITON_INTERPRET turns Triton's interpreter off: its kernels "

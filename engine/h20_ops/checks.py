@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_HEADS = (64, 128)
+# h_q per rank: the model's 64 or 128 heads, or a tensor-parallel rank's share of them (the triton and ref
+# backends; the ref backend's oracle takes any h_q)
+SUPPORTED_HEADS = (8, 16, 32, 64, 128)
+TILELANG_HEADS = (64, 128)  # the TileLang kernels' (64 heads per CTA)
 SUPPORTED_D_QK = (512, 576)
 SUPPORTED_D_V = (512,)
 

@@ -47,7 +47,9 @@ Deliberate deviations (supersets of what FlashMLA accepts):
   - any topk and extra topk >= 1 (FlashMLA: multiples of 64 in decode, of 128 in prefill), any
     page_block_size, any block stride the layout allows (token stride = bytes per token, blocks not
     overlapping, 4-byte aligned), any b and s_q;
-  - prefill indices may also be [s_q, topk]; float32 q with the triton and ref backends.
+  - prefill indices may also be [s_q, topk]; float32 q with the triton and ref backends;
+  - h_q 8, 16 and 32 (a tensor-parallel rank's heads; callers of FlashMLA pad them to 64) in both
+    functions, run by the Triton kernels (the dispatcher's rule: docs/api.md "Head counts").
 Not supported, each a clear error (FlashMLA kills the process on some malformed inputs instead):
   dense decode (indices None: NotImplementedError); causal=True, is_fp8_kvcache=False, a cache of
   another dtype, num_splits other than None or head_dim_v other than 512 on the sparse path (FlashMLA
@@ -63,7 +65,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import dispatch
-from .attention.decode import D_V, DecodePlan, plan_sparse_decode, sparse_mla_decode
+from .attention.decode import D_V, DecodePlan, plan_sparse_decode, require_heads, sparse_mla_decode
 from .checks import check_decode_cache, check_out, check_sparse_mla_args
 from .kv_cache import LAYOUTS
 
@@ -79,7 +81,7 @@ DECODE_ARG_NAMES = {"cache": "k_cache", "extra_cache": "extra_k_cache", "extra_i
 def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int = 512,
                          attn_sink: torch.Tensor | None = None, topk_length: torch.Tensor | None = None,
                          out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sparse MLA prefill (module header): q [s_q, h_q, d_qk] bf16, h_q 64 or 128, d_qk 512 or 576;
+    """Sparse MLA prefill (module header): q [s_q, h_q, d_qk] bf16, h_q 8, 16, 32, 64 or 128, d_qk 512 or 576;
     kv [s_kv, 1, d_qk]; indices [s_q, 1, topk] (or [s_q, topk]) int32; attn_sink [h_q] fp32; topk_length
     [s_q] int32; out [s_q, h_q, d_v] contiguous (16-byte aligned) in q's dtype or None.
     -> (out, max_logits, lse natural)."""
@@ -90,7 +92,7 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
                                            limit_shapes=backend != "ref")
     if out is not None:
         check_out("out", out, (shape.s_q, shape.h_q, d_v), q.dtype, q.device)
-    kernel = dispatch.prefill_kernel(q, kv, backend).kernel
+    kernel = dispatch.prefill_kernel(q, kv).kernel
     return dispatch.run_prefill_kernel_with_max_logits(kernel, q, kv, indices, float(sm_scale), d_v, attn_sink,
                                                        topk_length, out)
 
@@ -195,7 +197,9 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
 
 
 def _plan(q, k_cache, indices, extra_k_cache, extra_indices) -> DecodePlan:
-    """The plan of a metadata object's first call, its caches validated first (errors in FlashMLA's names)."""
+    """The plan of a metadata object's first call, q's heads and its caches validated first (errors in
+    FlashMLA's names)."""
+    require_heads("q", q.size(2), None)
     check_decode_cache("k_cache", k_cache, q, LAYOUTS)
     extra_topk = 0
     if extra_k_cache is not None:

@@ -41,7 +41,7 @@ from .merge import merge_splits
 from .output import AttentionOutput
 
 D_V = 512
-HEADS_PER_PROGRAM = 64  # the kernels' head tile
+HEADS_PER_PROGRAM = 64  # the largest head tile of the kernels (h_q <= 64: one program per query row)
 # The SM90 kernels walk a query's entries in pairs of 64-entry blocks, so split chunks are cut in
 # whole pairs (a 64-entry chunk costs as much as a 128-entry one).
 SPLIT_GRANULE = 128
@@ -83,7 +83,9 @@ def plan_sparse_decode(cache: torch.Tensor, *, batch: int, s_q: int, h_q: int, t
                        backend: str | None = None) -> DecodePlan:
     """The plan of sparse_mla_decode calls with these shapes and caches (see sparse_mla_decode): made once
     per step and layer type, reused by every layer of that type. num_splits: chunks per query's list
-    (None: chosen from the rows vs the SM count; 1: no split). backend: None for the process's."""
+    (None: chosen from the rows vs the SM count; 1: no split). backend: None for the process's. h_q: one of
+    checks.SUPPORTED_HEADS (any with the ref backend); the tilelang backend's kernels take 64 or 128: under
+    auto resolution another h_q runs the triton backend, backend='tilelang' refuses it."""
     for name, value in (("batch", batch), ("s_q", s_q), ("h_q", h_q), ("topk", topk)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
@@ -92,7 +94,8 @@ def plan_sparse_decode(cache: torch.Tensor, *, batch: int, s_q: int, h_q: int, t
     if (extra_cache is None) != (extra_topk == 0):
         raise ValueError(f"extra_cache, extra_topk: pass both (extra_topk >= 1) or neither, got extra_topk "
                          f"{extra_topk} with extra_cache {'None' if extra_cache is None else 'given'}")
-    backend = dispatch.backend_of(backend)
+    requested = backend
+    backend = require_heads("h_q", h_q, requested)  # the backend of decode_path's choice
     layout = _cache_kind("cache", cache)
     if extra_cache is not None:
         extra_layout = _cache_kind("extra_cache", extra_cache)
@@ -102,7 +105,7 @@ def plan_sparse_decode(cache: torch.Tensor, *, batch: int, s_q: int, h_q: int, t
     caches = [c for c in (cache, extra_cache) if c is not None]
     aligned16 = all(c.data_ptr() % 16 == 0 and (c.size(0) == 1 or c.stride(0) * c.element_size() % 16 == 0)
                     for c in caches)
-    choice = dispatch.decode_path(q_dtype, cache.device, layout, extra_cache is not None, backend,
+    choice = dispatch.decode_path(q_dtype, cache.device, layout, extra_cache is not None, requested, h_q=h_q,
                                   caches_aligned16=aligned16)
     path, kernel = choice.kernel.split(": ")
     list_len = topk + extra_topk
@@ -118,6 +121,15 @@ def plan_sparse_decode(cache: torch.Tensor, *, batch: int, s_q: int, h_q: int, t
                       None if layout is None else layout.name, backend)
 
 
+def require_heads(name: str, h_q: int, backend: str | None) -> str:
+    """The backend that runs h_q heads asked of `backend` (None: the process's; dispatch.backend_for_heads);
+    an h_q outside checks.SUPPORTED_HEADS on a kernel backend is a ValueError naming `name`."""
+    effective, _ = dispatch.backend_for_heads(backend, h_q, name)
+    if effective != "ref" and h_q not in SUPPORTED_HEADS:
+        raise ValueError(f"{name}: expected h_q in {SUPPORTED_HEADS} (the {effective} backend's kernels), got {h_q}")
+    return effective
+
+
 def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, sm_scale: float, *,
                       plan: DecodePlan | None = None, attn_sink: torch.Tensor | None = None,
                       topk_length: torch.Tensor | None = None, extra_cache: torch.Tensor | None = None,
@@ -126,7 +138,8 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
                       names: Mapping[str, str] | None = None) -> AttentionOutput:
     """Batched sparse decode over one or two caches, in one softmax.
 
-    q [B, s_q, h_q, d_qk] bf16 (fp32 with the triton and ref backends); h_q 64 or 128.
+    q [B, s_q, h_q, d_qk] bf16 (fp32 with the triton and ref backends); h_q in checks.SUPPORTED_HEADS (8, 16,
+      32, 64, 128; any with the ref backend; other than 64 or 128: plan_sparse_decode).
     cache: a paged fp8 cache, uint8 [num_blocks, block_size, 1, bytes_per_token] in kv_cache.MODEL1
       (584 B, d_qk 512) or kv_cache.V32 (656 B, d_qk 576); or dense rows [n_slots, 1, d_qk] in q's dtype.
     indices [B, s_q, topk] int32: flat slot ids of `cache` (block * block_size + offset); entry j of query
@@ -151,8 +164,10 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
     backend = plan.backend if plan is not None else dispatch.backend_of(None)
     require_tensor("q", q, dtypes=dispatch.Q_DTYPES[backend], ndim=4, dtype_note=dispatch.Q_DTYPE_NOTES.get(backend))
     batch, s_q, h_q, _ = q.shape
-    if batch < 1 or s_q < 1 or h_q not in SUPPORTED_HEADS:
+    if batch < 1 or s_q < 1 or (backend != "ref" and h_q not in SUPPORTED_HEADS):
         raise ValueError(f"q: expected shape [B >= 1, s_q >= 1, h_q in {SUPPORTED_HEADS}, d_qk], got {tuple(q.shape)}")
+    if plan is None:  # tilelang named explicitly with an h_q its kernels do not take: refused under q's name
+        dispatch.backend_for_heads(None, h_q, "q")
     main = check_decode_cache(n("cache"), cache, q, LAYOUTS)
     topk = check_decode_list(n("indices"), indices, n("topk_length"), topk_length, q)
     if (extra_cache is None) != (extra_indices is None):
@@ -173,7 +188,7 @@ def sparse_mla_decode(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tenso
         check_out(n("out"), out, (batch, s_q, h_q, D_V), q.dtype, q.device)
     if plan is None:
         plan = plan_sparse_decode(cache, batch=batch, s_q=s_q, h_q=h_q, topk=topk, q_dtype=q.dtype,
-                                  extra_cache=extra_cache, extra_topk=extra_topk, backend=backend)
+                                  extra_cache=extra_cache, extra_topk=extra_topk)
     else:
         _check_plan(plan, batch, s_q, h_q, topk, extra_topk, main, n("plan"))
 

@@ -11,6 +11,10 @@ Choices (each logged once per process with its reason, and listed by `kernel_cho
     A prefill call that also returns max_logits and natural-log lse (FlashMLA's flash_mla_sparse_fwd,
     engine.h20_ops.flash_mla) runs the same kernel: each produces both itself (tilelang_sm90 in its
     with_max_logits variant; run_prefill_kernel_with_max_logits);
+  - head counts (backend_for_heads): the TileLang kernels take h_q 64 or 128; under auto resolution a
+    call of another h_q (8, 16, 32: a tensor-parallel rank's) runs the triton backend, its kernel choice's
+    reason starting "h_q 16: the TileLang kernels take 64 or 128 heads -> triton"; tilelang named
+    explicitly is refused for it (ValueError naming q / h_q), as nothing runs in place of what was named;
   - the decode path of a call (attention/decode.py): `paged_fp8` (a kernel reads the paged fp8 caches
     itself), `gathered` (the rows of both caches are gathered, dequantized if fp8, into one buffer for the
     prefill kernel) or `direct` (one dense cache: the prefill kernel reads it in place).
@@ -34,6 +38,7 @@ import torch
 from ... import config
 from ..backend_select import BackendSelector, TileLangUnavailableError  # noqa: F401 (re-export)
 from ..backend_select import dp_rank_suffix, import_tilelang_module_or_explain
+from ..checks import SUPPORTED_HEADS, TILELANG_HEADS
 from ..platform import cuda_capability, triton_interprets
 
 log = logging.getLogger(__name__)
@@ -65,6 +70,26 @@ def backend_of(backend: str | None) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)} or None, got {backend!r}")
     return backend
+
+
+def backend_for_heads(backend: str | None, h_q: int, name: str) -> tuple[str, str | None]:
+    """(the backend that runs a call of h_q heads asked to run on `backend` (None: the process's), why it is
+    not that backend or None). The TileLang kernels take h_q 64 or 128 only: under auto resolution another
+    h_q runs the triton backend, and the choice says why; tilelang named explicitly (backend='tilelang' or
+    DEEPINFER_SPARSE_MLA_BACKEND=tilelang) with another h_q is a ValueError naming `name` (q or h_q)."""
+    resolved = backend_of(backend)
+    if resolved != "tilelang" or h_q in TILELANG_HEADS:
+        return resolved, None
+    resolution = backend_resolution()
+    if backend is not None or resolution.requested:
+        asked = f"backend={backend!r}" if backend is not None else resolution.reason
+        raise ValueError(f"{name}: expected h_q in {TILELANG_HEADS} on the tilelang backend ({asked}), got {h_q}; "
+                         f"the triton backend runs h_q in {SUPPORTED_HEADS}")
+    return "triton", f"h_q {h_q}: the TileLang kernels take 64 or 128 heads -> triton"
+
+
+def _with_note(note: str | None, reason: str) -> str:
+    return reason if note is None else f"{note}; {reason}"
 
 
 @dataclass(frozen=True)
@@ -112,15 +137,17 @@ def _gluon_unsupported(q: torch.Tensor, kv: torch.Tensor) -> str | None:
 
 
 def prefill_kernel(q: torch.Tensor, kv: torch.Tensor, backend: str | None = None) -> KernelChoice:
-    """The kernel that runs sparse MLA prefill on (q, kv) with `backend` (None: the process's)."""
-    backend = backend_of(backend)
+    """The kernel that runs sparse MLA prefill on (q, kv) with `backend` (None: the process's; an h_q the
+    TileLang kernels do not take: backend_for_heads)."""
+    backend, note = backend_for_heads(backend, q.shape[1], "q")
     if backend in ("ref", "tilelang"):
         reason = (backend_resolution().reason if backend == resolve_backend() else f"backend={backend!r}")
         return _record(KernelChoice("prefill", "ref" if backend == "ref" else "tilelang_sm90", reason))
     unsupported = _gluon_unsupported(q, kv)
     if unsupported is None:
-        return _record(KernelChoice("prefill", "triton_gluon_sm90", "bf16 on SM90, 16-byte aligned rows"))
-    return _record(KernelChoice("prefill", "triton_portable", unsupported))
+        return _record(KernelChoice("prefill", "triton_gluon_sm90",
+                                    _with_note(note, "bf16 on SM90, 16-byte aligned rows")))
+    return _record(KernelChoice("prefill", "triton_portable", _with_note(note, unsupported)))
 
 
 _TRITON_PREFILL_KERNELS = {"triton_gluon_sm90": "gluon_sm90", "triton_portable": "portable"}
@@ -180,17 +207,19 @@ PAGED_FP8_KERNELS = {"tilelang": "tilelang_sm90_paged_fp8", "triton": "triton_pa
 
 
 def decode_path(q_dtype: torch.dtype, device: torch.device, fp8_layout, has_extra: bool,
-                backend: str | None = None, *, caches_aligned16: bool = True) -> KernelChoice:
+                backend: str | None = None, *, h_q: int, caches_aligned16: bool = True) -> KernelChoice:
     """The decode path for caches of `fp8_layout` (kv_cache.MODEL1 / V32, or None for dense rows in q's
-    dtype). caches_aligned16: every cache's base and block stride are 16-byte aligned (the TileLang paged
-    kernel reads rows by 16-byte cp.async; the layouts themselves need 4 bytes)."""
-    backend = backend_of(backend)
+    dtype) and h_q heads (one the TileLang kernels do not take: backend_for_heads). caches_aligned16: every
+    cache's base and block stride are 16-byte aligned (the TileLang paged kernel reads rows by 16-byte
+    cp.async; the layouts themselves need 4 bytes)."""
+    backend, note = backend_for_heads(backend, h_q, "h_q")
     if fp8_layout is None:
+        buffer_kernel = _buffer_kernel(q_dtype, device, backend, h_q)
         if not has_extra:
-            return _record(KernelChoice("decode", f"direct: {_buffer_kernel(q_dtype, device, backend)}",
-                                        "one dense cache, read in place"))
-        return _record(KernelChoice("decode", f"gathered: {_buffer_kernel(q_dtype, device, backend)}",
-                                    "two dense caches: rows gathered into one buffer"))
+            return _record(KernelChoice("decode", f"direct: {buffer_kernel}",
+                                        _with_note(note, "one dense cache, read in place")))
+        return _record(KernelChoice("decode", f"gathered: {buffer_kernel}",
+                                    _with_note(note, "two dense caches: rows gathered into one buffer")))
     paged = PAGED_FP8_KERNELS.get(backend)
     why = None
     if paged is None:
@@ -201,20 +230,22 @@ def decode_path(q_dtype: torch.dtype, device: torch.device, fp8_layout, has_extr
         why = f"{paged} needs 16-byte aligned cache bases and block strides"
     if why is None:
         return _record(KernelChoice("decode", f"paged_fp8: {paged}",
-                                    f"backend {backend}, {fp8_layout.name} fp8 caches"))
-    return _record(KernelChoice("decode", f"gathered: {_buffer_kernel(q_dtype, device, backend)}",
-                                f"fp8 rows dequantized into a buffer: {why}"))
+                                    _with_note(note, f"backend {backend}, {fp8_layout.name} fp8 caches")))
+    return _record(KernelChoice("decode", f"gathered: {_buffer_kernel(q_dtype, device, backend, h_q)}",
+                                _with_note(note, f"fp8 rows dequantized into a buffer: {why}")))
 
 
-def _buffer_kernel(q_dtype: torch.dtype, device: torch.device, backend: str) -> str:
+def _buffer_kernel(q_dtype: torch.dtype, device: torch.device, backend: str, h_q: int) -> str:
     """The prefill kernel that attends over a decode buffer or a dense cache (rows 16-byte aligned: the
     engine's caches and buffers are torch allocations of 512- or 576-element rows)."""
     if backend == "ref":
         return "ref"
     if backend == "tilelang":
         return "tilelang_sm90"
+    from ..vendor.flashmla_sparse_gluon_sm90 import heads_unsupported
+
     gluon = (not triton_interprets() and q_dtype == torch.bfloat16 and device.type == "cuda"
-             and cuda_capability(device) == (9, 0))
+             and cuda_capability(device) == (9, 0) and heads_unsupported(h_q) is None)
     return "triton_gluon_sm90" if gluon else "triton_portable"
 
 

@@ -71,7 +71,7 @@ import tilelang.language as T
 import torch
 
 from ..platform import cuda_capability, sm_count
-from ..checks import check_out, check_sparse_mla_args
+from ..checks import TILELANG_HEADS, check_out, check_sparse_mla_args
 
 D_V = 512
 HEADS_PER_CTA = 64
@@ -602,6 +602,8 @@ def sparse_mla_fwd_sm90_with_max_logits(q: torch.Tensor, kv: torch.Tensor, indic
 def _run(with_max_logits: bool, q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out):
     """One launch of the variant -> (out, max_logits or None, lse)."""
     shape, indices = check_sparse_mla_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+    if shape.h_q not in TILELANG_HEADS:
+        raise ValueError(f"q: expected h_q in {TILELANG_HEADS} ({HEADS_PER_CTA} heads per CTA), got {shape.h_q}")
     if out is not None:
         check_out("out", out, (shape.s_q, shape.h_q, D_V), q.dtype, q.device)
     require_sm90_device(q)

@@ -74,6 +74,7 @@ import tilelang
 import tilelang.language as T
 import torch
 
+from ..checks import TILELANG_HEADS
 from ..platform import sm_count
 from .. import kv_cache
 from .tilelang_sm90 import PRELUDE as sm90_prelude
@@ -653,8 +654,8 @@ def sparse_mla_fwd_sm90_paged_fp8(q: torch.Tensor, cache0: torch.Tensor, cache1:
         raise TypeError(f"q: expected a bf16 tensor [s_q, h_q, {d_qk}] ({name0} holds {c0.layout.name} rows), got "
                         f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
     s_q, h_q = q.shape[:2]
-    if h_q not in (64, 128):
-        raise ValueError(f"q: expected h_q 64 or 128, got {h_q}")
+    if h_q not in TILELANG_HEADS:
+        raise ValueError(f"q: expected h_q in {TILELANG_HEADS} ({HEADS_PER_CTA} heads per CTA), got {h_q}")
     require_sm90_device(q)
     if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32:
         raise TypeError(f"indices: expected an int32 tensor, got {getattr(indices, 'dtype', type(indices).__name__)}")

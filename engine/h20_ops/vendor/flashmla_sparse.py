@@ -20,7 +20,7 @@ Contract (FlashMLA since 2026-01; docs/contract.md):
   1 / (1 + exp(sink - lse)) and never changes lse or max_logits (+inf sink -> out 0). A row without a
   valid entry: out 0, max_logits -inf, lse +inf.
 
-Numerics of the portable kernel: one program per (query, 64-head tile); the top-k list is walked in
+Numerics of the portable kernel: one program per (query, head tile); the top-k list is walked in
 blocks of BLOCK_K entries; each block of kv rows is gathered once and feeds both Q.K^T and P.V (V = the
 first d_v = 512 columns of kv; for d_qk 576 the 64 trailing RoPE columns are a second, small Q.K^T);
 each of the two warpgroups computes half of a block's Q.K^T columns, and each block's indices are
@@ -29,9 +29,17 @@ rounded to bf16 for P.V, as in FlashMLA); the online softmax runs in the exp2 do
 sm_scale * log2(e) folded into the scores, and lse / max_logits are converted back to natural log at
 the end. Speed: docs/performance.md; tuning: docs/lab/prefill.md, docs/lab/triton_kernel_notes.md.
 
-Constraints: h_q 64 or 128, d_qk 512 or 576, d_v 512, h_kv 1, topk >= 1 (any: the last block is
-masked, callers pad nothing), any s_q (1-D grid; 64-bit offsets), last dims contiguous (leading dims
-may be strided).
+Constraints: h_q 8, 16, 32, 64 or 128, d_qk 512 or 576, d_v 512, h_kv 1, topk >= 1 (any: the last
+block is masked, callers pad nothing), any s_q (1-D grid; 64-bit offsets), last dims contiguous (leading
+dims may be strided). The Gluon kernel: h_q 64 or 128 only (its `unsupported` names other head counts).
+Head tiles of the portable kernel (heads_per_program): 64 heads for h_q 64 and 128 (the configuration
+measured on the H200; its sm_90 PTX has the same instructions as before the small tiles were added);
+h_q 8, 16, 32 (a tensor-parallel rank's heads) run all heads of a query in one program, a tile of
+max(16, h_q) rows (tl.dot needs M >= 16): h_q 8's 8 extra rows re-read head 7 (no masked loads) and are
+never stored. The small tiles keep the 64-head tile's launch parameters (block_k 64, 8 warps, 2 stages),
+not tuned and not yet timed on a GPU (scripts/bench_tp_heads.py). The top-k list is not split across
+programs: s_q x head tiles programs fill the GPU at prefill sizes, and decode's calls are split by the
+decode plan (attention/decode.py) before they reach this kernel.
 
 Deliberate deviations from FlashMLA:
   - float32 q/kv are accepted (the engine's float32 validation mode); their dots run with
@@ -55,7 +63,8 @@ from ..checks import check_out, check_sparse_mla_args
 from . import flashmla_sparse_gluon_sm90
 
 LOG2E = 1.0 / math.log(2.0)
-_HEADS_PER_PROGRAM = 64
+HEADS_PER_PROGRAM = 64  # the head tile of h_q 64 and 128 (the configuration measured on the H200)
+MIN_HEADS_PER_PROGRAM = 16  # tl.dot needs M >= 16
 _INTERPRET = triton_interprets()  # Triton decided at import (decoration) time, from the same variable
 
 
@@ -66,7 +75,7 @@ def _sparse_mla_fwd_kernel(
     s_kv, topk, qk_scale_log2,
     stride_q_s, stride_q_h, stride_kv_s, stride_idx_s, stride_sink, stride_topk_length,
     stride_out_s, stride_out_h, stride_ml_s, stride_lse_s,
-    H_TILES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    H_Q: tl.constexpr, H_TILES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     D_V: tl.constexpr, D_ROPE: tl.constexpr,
     HAS_SINK: tl.constexpr, HAS_TOPK_LENGTH: tl.constexpr,
     DOT_F32: tl.constexpr, INPUT_PRECISION: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
@@ -79,9 +88,19 @@ def _sparse_mla_fwd_kernel(
     pid = tl.program_id(0)
     query = (pid // H_TILES).to(tl.int64)
     heads = ((pid % H_TILES) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)  # x head strides: 64-bit
+    if H_Q < BLOCK_H:
+        # h_q 8 in a 16-row tile (tl.dot needs M >= 16): the rows past h_q read head h_q - 1 again (in
+        # bounds, no masked loads) and are never stored
+        read_heads = tl.minimum(heads, H_Q - 1)
+        stored = heads < H_Q
+        stored_rows = stored[:, None]
+    else:  # the tile is full: no clamp, unmasked stores
+        read_heads = heads
+        stored = None
+        stored_rows = None
     cols = tl.arange(0, D_V)
 
-    q_rows = q_ptr + query * stride_q_s + heads[:, None] * stride_q_h
+    q_rows = q_ptr + query * stride_q_s + read_heads[:, None] * stride_q_h
     q = tl.load(q_rows + cols[None, :])
     if DOT_F32:
         q = q.to(tl.float32)
@@ -147,13 +166,13 @@ def _sparse_mla_fwd_kernel(
     if HAS_SINK:
         # 1 / (1 + exp(sink - lse)): exact at sink = -inf (factor 1) and +inf (factor 0); empty rows
         # stay 0 whatever the sink (a NaN sink included).
-        sink_log2 = tl.load(sink_ptr + heads * stride_sink) * 1.4426950408889634
+        sink_log2 = tl.load(sink_ptr + read_heads * stride_sink) * 1.4426950408889634
         out_scale = tl.where(has_valid, out_scale / (1.0 + tl.exp2(sink_log2 - lse_log2_safe)), 0.0)
     out = acc * out_scale[:, None]
     tl.store(out_ptr + query * stride_out_s + heads[:, None] * stride_out_h + cols[None, :],
-             out.to(out_ptr.dtype.element_ty))
-    tl.store(max_logits_ptr + query * stride_ml_s + heads, m * 0.6931471805599453)
-    tl.store(lse_ptr + query * stride_lse_s + heads, lse_log2 * 0.6931471805599453)
+             out.to(out_ptr.dtype.element_ty), mask=stored_rows)
+    tl.store(max_logits_ptr + query * stride_ml_s + heads, m * 0.6931471805599453, mask=stored)
+    tl.store(lse_ptr + query * stride_lse_s + heads, lse_log2 * 0.6931471805599453, mask=stored)
 
 
 @dataclass(frozen=True)
@@ -169,6 +188,14 @@ def default_config(dtype: torch.dtype) -> KernelConfig:
     if dtype == torch.float32:
         return KernelConfig(block_k=16, num_warps=8, num_stages=1)
     return KernelConfig(block_k=64, num_warps=8, num_stages=2)
+
+
+def heads_per_program(h_q: int) -> int:
+    """The portable kernel's head tile: 64 for h_q 64 and 128, else h_q rounded up to a power of two and
+    to at least 16 (h_q 8, 16, 32 -> 16, 16, 32: the heads of one query in one program, not padded to 64)."""
+    if h_q % HEADS_PER_PROGRAM == 0:
+        return HEADS_PER_PROGRAM
+    return max(MIN_HEADS_PER_PROGRAM, triton.next_power_of_2(h_q))
 
 
 KERNELS = ("gluon_sm90", "portable")
@@ -212,7 +239,8 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         return out, max_logits, lse
     if config is None:
         config = default_config(q.dtype)
-    h_tiles = h_q // _HEADS_PER_PROGRAM
+    block_h = heads_per_program(h_q)
+    h_tiles = -(-h_q // block_h)
     dependent = dependent_launch(q.device)
     # Unused pointer arguments get a valid tensor; the constexpr flags keep them unread.
     sink = attn_sink if attn_sink is not None else lse
@@ -224,7 +252,7 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
         sink.stride(0), lengths.stride(0),
         out.stride(0), out.stride(1), max_logits.stride(0), lse.stride(0),
-        H_TILES=h_tiles, BLOCK_H=_HEADS_PER_PROGRAM, BLOCK_K=config.block_k,
+        H_Q=h_q, H_TILES=h_tiles, BLOCK_H=block_h, BLOCK_K=config.block_k,
         D_V=d_v, D_ROPE=shape.d_qk - d_v,
         HAS_SINK=attn_sink is not None, HAS_TOPK_LENGTH=topk_length is not None,
         DOT_F32=_INTERPRET, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

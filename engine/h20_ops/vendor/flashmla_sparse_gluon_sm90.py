@@ -36,7 +36,8 @@ with an all-invalid one); the ring's phases run on across items.
   stream finishes; each partition waits for that kernel (griddepcontrol.wait) before its first global
   access and lets the next kernel launch.
 
-Constraints: bf16; h_q 64 or 128, d_qk 512 or 576, d_v 512; any topk >= 1 and s_q (64-bit offsets);
+Constraints: bf16; h_q 64 or 128 (others: `unsupported` names them; the portable kernel runs h_q 8, 16,
+32), d_qk 512 or 576, d_v 512; any topk >= 1 and s_q (64-bit offsets);
 last dims contiguous, leading dims strided; SM90 only (wgmma, setmaxnreg).
 """
 
@@ -340,10 +341,21 @@ def sparse_mla_fwd_sm90_kernel(
     ], [NUM_WARPS, NUM_WARPS], [232, 40])
 
 
+def heads_unsupported(h_q: int) -> str | None:
+    """Why this kernel cannot run h_q heads, or None: its CTAs take 64 heads each (h_q 64 or 128)."""
+    if h_q % HEADS_PER_CTA:
+        return f"h_q {h_q}: the Gluon kernel takes 64 or 128 heads ({HEADS_PER_CTA} per CTA)"
+    return None
+
+
 def unsupported(q: torch.Tensor, kv: torch.Tensor) -> str | None:
-    """Why this kernel cannot run on (q, kv), or None: it is built for bf16 on an SM90 GPU and reads rows by
-    16-byte cp.async, which needs 16-byte aligned q / kv pointers and row strides that are multiples of 16
-    elements (Triton's JIT specializes on that; without it the kernel does not compile)."""
+    """Why this kernel cannot run on (q, kv), or None: it is built for h_q 64 or 128 (heads_unsupported),
+    bf16 on an SM90 GPU, and reads rows by 16-byte cp.async, which needs 16-byte aligned q / kv pointers
+    and row strides that are multiples of 16 elements (Triton's JIT specializes on that; without it the
+    kernel does not compile)."""
+    heads = heads_unsupported(q.shape[1])
+    if heads is not None:
+        return heads
     if triton_interprets():
         return "Triton's interpreter (no CUDA device)"
     if not q.is_cuda:
