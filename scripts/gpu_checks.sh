@@ -3,8 +3,9 @@
 # benchmarks and the end-to-end report. Each step has its own time limit and log; a summary of exit
 # codes ends the output, and the script exits nonzero if any step failed.
 #   bash scripts/gpu_checks.sh LOGDIR STEP [STEP...]
-# steps: compile tests tests-no-tilelang engine memcheck ab bench sweep decode flashmla gather e2e
-#        e2e-rank-per-gpu e2e-fp8 e2e-fp32 e2e-nextn e2e-sampled long-context sample e2e-hub
+# steps: compile tests tests-no-tilelang engine memcheck ab bench sweep decode flashmla tp-heads gather
+#        e2e e2e-rank-per-gpu e2e-fp8 e2e-fp32 e2e-nextn e2e-sampled long-context sample e2e-hub
+#        step-profile hf
 # A TileLang bundle at .tilelang_bundle/*.tar.xz (scripts/tilelang_bundle.sh) is installed first; the
 # built FlashMLA package at .flashmla/flash_mla_sm90_pkg.tar.xz (the peer scripts/bench_flash_mla.py
 # measures against) is unpacked and put on the path.
@@ -49,14 +50,15 @@ for s in "$@"; do
                 fail=0; for j in $(jobs -p); do wait $j || fail=1; done; exit $fail' ;;
         tests) step tests 400 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_mla_ref.py \
                 tests/test_dispatcher.py tests/test_flashmla_sparse.py tests/test_sparse_mla_sm90.py \
-                tests/test_sparse_mla_sm90_paged_fp8.py tests/test_decode.py tests/test_prefill.py tests/test_kv_quant.py \
-                tests/test_fused_sample.py ;;
+                tests/test_sparse_mla_sm90_paged_fp8.py tests/test_triton_paged_fp8.py tests/test_decode.py \
+                tests/test_prefill.py tests/test_kv_quant.py tests/test_fused_sample.py ;;
         tests-no-tilelang)  # the Triton-backend files with the bundle off the path: the Triton backend on this GPU
             # (what a node without TileLang runs; on an image without TileLang of its own)
             step tests_no_tilelang 300 env PYTHONPATH="$PWD" python3 -m pytest -q -p no:cacheprovider \
-                tests/test_dispatcher.py tests/test_flashmla_sparse.py tests/test_decode.py tests/test_prefill.py tests/test_kv_quant.py \
-                tests/test_fused_sample.py ;;
-        engine) step engine 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_model_engine.py -m gpu ;;
+                tests/test_dispatcher.py tests/test_flashmla_sparse.py tests/test_triton_paged_fp8.py tests/test_decode.py \
+                tests/test_prefill.py tests/test_kv_quant.py tests/test_fused_sample.py ;;
+        engine) step engine 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_model_engine.py \
+                tests/test_decode_graphs.py -m gpu ;;
         memcheck)
             step memcheck_triton 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q \
                 -p no:cacheprovider tests/test_flashmla_sparse.py -k "fillers or empty_kv or topk_larger"
@@ -73,6 +75,7 @@ for s in "$@"; do
         sweep) step sweep 300 python3 scripts/bench_sparse_mla.py --sweep --shapes v4flash512,v32 --flaggems-file "$flaggems" ;;
         decode) step bench_flash_mla 480 python3 scripts/bench_flash_mla.py ;;  # decode and prefill vs FlashMLA
         flashmla) step flash_mla_tests 480 python3 -m pytest -q -p no:cacheprovider tests/test_flash_mla.py -m gpu ;;
+        tp-heads) step bench_tp_heads 540 python3 scripts/bench_tp_heads.py --quick ;;  # h_q 8/16/32 vs padded to 64
         gather) step row_gather 120 bash -c "nvcc -arch=sm_90a -O3 -o /tmp/bench_row_gather scripts/bench_row_gather.cu && /tmp/bench_row_gather" ;;
         e2e) step e2e 400 bash scripts/h20_e2e_report.sh --compare --json "$logdir/e2e.json" ;;
         # one rank per GPU of this machine: the NCCL group (e2e's 8 ranks are that on 8 GPUs only)
@@ -93,6 +96,9 @@ for s in "$@"; do
                 bash scripts/h20_e2e_report.sh --compare --temperature 0.8 --top-p 0.9 --seed 1 \
                 --json "$logdir/e2e_sampled.json" ;;
         sample) step ab_fused_sample 450 python3 scripts/ab_fused_sample.py ;;
+        step-profile) step engine_step_profile 500 python3 scripts/engine_step_profile.py ;;  # eager vs CUDA graphs
+        # the transformers integration (needs transformers 5.21.1 + kernels 0.17.2: wheels in .wheels_e2e/)
+        hf) step hf_integration_bench 500 python3 scripts/hf_integration_bench.py --json "$logdir/hf.json" ;;
         # the report with the hub kernel source: this checkout's kernels built as a kernel repository, put
         # into an offline cache with a lock, verified and loaded by every rank under HF_HUB_OFFLINE=1
         # (needs kernels 0.17.2 and transformers 5.18-5.21.x: their wheels in .wheels_e2e/ on an older image)

@@ -1,3 +1,4 @@
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 import engine.h20_ops  # noqa: F401  (sets TRITON_INTERPRET=1 before any kernel module on CPU-only machines)
-from engine import kernel_source
+from engine import kernel_source, ops
 from engine.h20_ops import backend_select
 from engine.h20_ops import sampling
 from engine.h20_ops.attention import dispatch
@@ -83,3 +84,25 @@ def built_kernel_repo(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("kernel_repo") / "repo"
     builder.build(root)
     return root
+
+
+ENGINE_ENV = ("DEEPINFER_SPARSE_MLA_BACKEND", "DEEPINFER_KERNELS", "DEEPINFER_OPS_STRICT", "DEEPINFER_USE_NEXTN_DECODE",
+              "DEEPINFER_SIMULATE_NO_TILELANG")
+
+
+def set_engine_env(monkeypatch, **values) -> None:
+    """Exactly `values` of the engine's DEEPINFER_* choices (ENGINE_ENV) from now on, resolved afresh (the
+    dispatchers' per-process resolutions and the op fallback counts reset)."""
+    for name in ENGINE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+    dispatch.reset_resolution_for_tests()
+    sampling.reset_resolution_for_tests()
+    ops.reset_fallback_counts()
+
+
+@pytest.fixture
+def engine_env(monkeypatch):
+    """set_engine_env for one test: engine_env(DEEPINFER_KERNELS="ref", ...)."""
+    return functools.partial(set_engine_env, monkeypatch)

@@ -16,8 +16,6 @@ shrink.
 import pytest
 import torch
 
-from engine import ops
-from engine.h20_ops import sampling
 from engine.h20_ops.attention import dispatch
 from engine.kv_store import CompressorStates
 from engine.model import compressor, decode_metadata, tiny
@@ -36,23 +34,6 @@ def checkpoint(tmp_path_factory):
     return tiny.write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
 
 
-@pytest.fixture
-def env(monkeypatch):
-    def set_env(**values):
-        for name in ("DEEPINFER_SPARSE_MLA_BACKEND", "DEEPINFER_KERNELS", "DEEPINFER_OPS_STRICT",
-                     "DEEPINFER_USE_NEXTN_DECODE", "DEEPINFER_SIMULATE_NO_TILELANG"):
-            monkeypatch.delenv(name, raising=False)
-        for name, value in values.items():
-            monkeypatch.setenv(name, value)
-        dispatch.reset_resolution_for_tests()
-        sampling.reset_resolution_for_tests()
-        ops.reset_fallback_counts()
-
-    yield set_env
-    dispatch.reset_resolution_for_tests()
-    sampling.reset_resolution_for_tests()
-
-
 # ------------------------------------------------------------------------------------------
 # compressors and indexer: decode formulation == prefill formulation
 
@@ -63,11 +44,11 @@ def _cos_sin(positions):
 
 
 @pytest.mark.parametrize("ratio, overlap", [(4, True), (8, False)])
-def test_compressor_decode_steps_equal_prefill_bit_for_bit(env, ratio, overlap):
+def test_compressor_decode_steps_equal_prefill_bit_for_bit(engine_env, ratio, overlap):
     """Requests prefilled with 1, 6 and 13 tokens then decoded 19 tokens each in one batch (plus a padding
     row on the scratch row): every entry and the final state rows equal a prefill of the whole sequence,
     bit for bit."""
-    env(DEEPINFER_KERNELS="ref")
+    engine_env(DEEPINFER_KERNELS="ref")
     head_dim, total_steps = 8, 19
     width = 2 * head_dim if overlap else head_dim
     g = torch.Generator().manual_seed(3)
@@ -194,12 +175,12 @@ def eager(checkpoint):
         return engine.generate(_requests()), engine.stats()
 
 
-def test_padding_changes_no_token_and_no_logit(checkpoint, eager, env, monkeypatch):
+def test_padding_changes_no_token_and_no_logit(checkpoint, eager, engine_env, monkeypatch):
     """The same requests with the batch padded to 8 rows and the entry tables to 256 entries: equal tokens,
     logits equal to fp32 summation order (the padded entries are -1, the padding rows read nothing)."""
     from engine.model import deepseek_v4
 
-    env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+    engine_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
     monkeypatch.setattr(decode_metadata, "padded_batch", lambda batch, max_batch: max_batch)
     monkeypatch.setattr(decode_metadata, "ENTRY_WIDTH_MIN", 256)
     keys = []
@@ -242,12 +223,12 @@ class _EagerReplay:
         return self.runtime.decode_step(buffer, inputs)[0]
 
 
-def test_plain_decode_steps_replay_per_key_and_nextn_steps_stay_eager(checkpoint, eager, env):
+def test_plain_decode_steps_replay_per_key_and_nextn_steps_stay_eager(checkpoint, eager, engine_env):
     """Plain decode steps go through runtime.graphs, one buffer per DecodeKey: keys follow the batch as
     requests finish (3 -> 2 -> 1 rows: padded 4, 2, 1) and the ratio-4 table width (128 while the
     300-token prompt runs); tokens and logits equal the eager engine's. With NextN every step verifies
     (speculative, eager): no replay. cuda_graphs=True needs a CUDA device."""
-    env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+    engine_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
     completions, stats = eager
     assert stats["cuda_graphs"] == {"enabled": False, "captured": 0, "replays": 0}
     engine = Engine(checkpoint, max_seq_len=512)
@@ -257,7 +238,7 @@ def test_plain_decode_steps_replay_per_key_and_nextn_steps_stay_eager(checkpoint
     assert replay.replays == engine.stats()["decode_steps"] == DECODE_STEPS
     assert replay.keys == [DecodeKey(4, 1, 128, 64), DecodeKey(2, 1, 64, 64), DecodeKey(1, 1, 64, 64)]
 
-    env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
+    engine_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
     engine = Engine(checkpoint, max_seq_len=512)
     engine.runtime.graphs = replay = _EagerReplay(engine.runtime)
     short = [r for r in _requests() if r.request_id != "long"]
@@ -282,13 +263,13 @@ def _gpu_requests():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, kv_cache_dtype, backend", [(torch.bfloat16, "fp8", None),
                                                            (torch.float32, "auto", "triton")])
-def test_cuda_graph_replay_matches_eager(checkpoint, env, dtype, kv_cache_dtype, backend):
+def test_cuda_graph_replay_matches_eager(checkpoint, engine_env, dtype, kv_cache_dtype, backend):
     """Five requests, max_batch_size 4 (one admitted while the others decode), prompts of 190 and 300 tokens
     (window pages released, ratio-4 windows closing every 4 steps, a 128-wide entry table) and 62 / 7 / 1;
     max_new_tokens 3 .. 12, so the batch shrinks. Graph replay and eager decoding run the same kernels on
     the same shapes: equal tokens, logits equal (a bf16 floor of 2e-2 and fp32 1e-4 allowed, should cuBLAS
     choose another algorithm under capture); every decode step replayed a graph."""
-    env(**({} if backend is None else {"DEEPINFER_SPARSE_MLA_BACKEND": backend}))
+    engine_env(**({} if backend is None else {"DEEPINFER_SPARSE_MLA_BACKEND": backend}))
     runs = {}
     for graphs in (False, True):
         engine = Engine(checkpoint, device="cuda", dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_batch_size=4,
@@ -307,9 +288,9 @@ def test_cuda_graph_replay_matches_eager(checkpoint, env, dtype, kv_cache_dtype,
 
 
 @pytest.mark.gpu
-def test_cuda_graphs_with_nextn_leave_greedy_tokens_unchanged(checkpoint, env):
+def test_cuda_graphs_with_nextn_leave_greedy_tokens_unchanged(checkpoint, engine_env):
     """NextN on (verification steps run eagerly): the same greedy tokens with graphs on as off."""
-    env(DEEPINFER_USE_NEXTN_DECODE="1")
+    engine_env(DEEPINFER_USE_NEXTN_DECODE="1")
     out = {}
     for graphs in (False, True):
         engine = Engine(checkpoint, device="cuda", dtype=torch.bfloat16, kv_cache_dtype="fp8", max_batch_size=4,
@@ -319,10 +300,10 @@ def test_cuda_graphs_with_nextn_leave_greedy_tokens_unchanged(checkpoint, env):
 
 
 @pytest.mark.gpu
-def test_cuda_graphs_refuse_the_reference_fp8_quantizer(checkpoint, env):
+def test_cuda_graphs_refuse_the_reference_fp8_quantizer(checkpoint, engine_env):
     """DEEPINFER_KERNELS=ref writes the fp8 cache through a boolean mask (a host sync): a graph-capturing
     engine stops at construction, naming the way out; cuda_graphs=False runs."""
-    env(DEEPINFER_KERNELS="ref")
+    engine_env(DEEPINFER_KERNELS="ref")
     with pytest.raises(ValueError, match=r"cuda_graphs: DEEPINFER_KERNELS=ref .*cuda_graphs=False"):
         Engine(checkpoint, device="cuda", dtype=torch.bfloat16, kv_cache_dtype="fp8")
     engine = Engine(checkpoint, device="cuda", dtype=torch.bfloat16, kv_cache_dtype="fp8", cuda_graphs=False)

@@ -64,23 +64,6 @@ def oracle(checkpoint, prompts):
     return {n: (toks[: prompts[n][1]], logits[: prompts[n][1]]) for n, (toks, logits) in zip(names, results)}
 
 
-@pytest.fixture
-def backend_env(monkeypatch):
-    """Set DEEPINFER_* for one test; the dispatcher's per-process resolution is reset around it."""
-
-    def set_env(**values):
-        for name in ("DEEPINFER_SPARSE_MLA_BACKEND", "DEEPINFER_KERNELS", "DEEPINFER_OPS_STRICT",
-                     "DEEPINFER_USE_NEXTN_DECODE"):
-            monkeypatch.delenv(name, raising=False)
-        for name, value in values.items():
-            monkeypatch.setenv(name, value)
-        dispatch.reset_resolution_for_tests()
-        ops.reset_fallback_counts()
-
-    yield set_env
-    dispatch.reset_resolution_for_tests()
-
-
 def _assert_matches_oracle(completions, oracle, names):
     for name, completion in zip(names, completions):
         tokens, logits = oracle[name]
@@ -147,8 +130,8 @@ def test_tokenizer_round_trip(checkpoint):
 # ------------------------------------------------------------------------------------------
 # engine vs oracle
 
-def test_engine_matches_oracle_fp32_with_continuous_batching(checkpoint, prompts, oracle, backend_env, monkeypatch):
-    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+def test_engine_matches_oracle_fp32_with_continuous_batching(checkpoint, prompts, oracle, engine_env, monkeypatch):
+    engine_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
     engine = Engine(checkpoint, max_batch_size=2, max_seq_len=256)
     steps = []
     real_step = engine._step
@@ -173,14 +156,14 @@ def test_engine_matches_oracle_fp32_with_continuous_batching(checkpoint, prompts
     _all_pages_free(engine)
 
 
-def test_engine_indexer_selects_top_k(checkpoint, prompts, backend_env, tmp_path):
+def test_engine_indexer_selects_top_k(checkpoint, prompts, engine_env, tmp_path):
     """index_topk 8 < the 47 entries of the long prompt: the lightning indexer really chooses."""
     small = tmp_path / "topk8"
     shutil.copytree(checkpoint, small)
     cfg = json.loads((small / "config.json").read_text())
     cfg["index_topk"] = 8
     (small / "config.json").write_text(json.dumps(cfg))
-    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+    engine_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
     prompt = prompts["long"][0]
     (tokens, logits), = hf_greedy(small, [prompt], 5)
     completion, = Engine(small).generate([Request("long", prompt, 5)])
@@ -188,9 +171,9 @@ def test_engine_indexer_selects_top_k(checkpoint, prompts, backend_env, tmp_path
     assert float((completion.step_logits - logits).abs().max()) < FP32_LOGITS_ATOL
 
 
-def test_engine_triton_default_path(checkpoint, prompts, oracle, backend_env):
+def test_engine_triton_default_path(checkpoint, prompts, oracle, engine_env):
     """The CPU default: TileLang blocked -> triton sparse MLA (interpreted), Triton ops, strict."""
-    backend_env(DEEPINFER_SIMULATE_NO_TILELANG="1", DEEPINFER_KERNELS="triton", DEEPINFER_OPS_STRICT="1")
+    engine_env(DEEPINFER_SIMULATE_NO_TILELANG="1", DEEPINFER_KERNELS="triton", DEEPINFER_OPS_STRICT="1")
     names = ["short", "one"]
     engine = Engine(checkpoint)
     completions = engine.generate([Request(n, prompts[n][0], 3) for n in names])
@@ -216,12 +199,12 @@ def test_hf_teacher_forced_along_greedy_tokens_is_greedy(checkpoint, prompts, or
         hf_teacher_forced(checkpoint, [prompts["short"][0]], [])
 
 
-def test_engine_teacher_forced(checkpoint, prompts, backend_env):
+def test_engine_teacher_forced(checkpoint, prompts, engine_env):
     """Request.forced_output_ids: along the engine's own greedy tokens the engine computes the same
     steps (equal logits); along other tokens (step 1 changed) its logits match transformers
     teacher-forced along them, also with NextN decoding, whose drafts are accepted only where they
     equal the forced tokens. Bad forced tokens are refused, naming the request and what was expected."""
-    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+    engine_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
     names = ["text", "short"]
     free = Engine(checkpoint).generate([Request(n, prompts[n][0], 4) for n in names])
     again = Engine(checkpoint).generate([Request(n, prompts[n][0], 4, forced_output_ids=c.output_ids)
@@ -231,7 +214,7 @@ def test_engine_teacher_forced(checkpoint, prompts, backend_env):
     other = [[c.output_ids[0], (c.output_ids[1] + 1) % c.step_logits.size(-1), *c.output_ids[2:]] for c in free]
     expected = hf_teacher_forced(checkpoint, [prompts[n][0] for n in names], other)
     for nextn in ("0", "1"):
-        backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE=nextn)
+        engine_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE=nextn)
         engine = Engine(checkpoint)
         done = engine.generate([Request(n, prompts[n][0], 4, forced_output_ids=o) for n, o in zip(names, other)])
         for d, o, e in zip(done, other, expected):
@@ -281,12 +264,12 @@ def test_oracle_in_bf16_names_the_transformers_it_needs(checkpoint, monkeypatch)
         assert oracle_call(torch.float32) is not None
 
 
-def test_engine_fp8_kv_cache_holds_the_reference_round_trip(checkpoint, prompts, backend_env, monkeypatch):
+def test_engine_fp8_kv_cache_holds_the_reference_round_trip(checkpoint, prompts, engine_env, monkeypatch):
     """The fp8 (MODEL1) stores return exactly the fp8 quantizer's torch reference round trip of the rows the
     engine writes: an engine with model-dtype stores that keep fp8_round_trip(rows) in the window
     and compressed stores (indexer keys stay exact in both) computes every value before a store the
     same way, so its logits and tokens must be bit-identical to the fp8 engine's."""
-    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref")  # kv_quantize / gather_dequant: the Triton kernels
+    engine_env(DEEPINFER_SPARSE_MLA_BACKEND="ref")  # kv_quantize / gather_dequant: the Triton kernels
     names = ["text", "long"]
     engine = Engine(checkpoint, kv_cache_dtype="fp8")
     window_cache = engine.stores.window.layers[0]
@@ -312,12 +295,12 @@ def test_engine_fp8_kv_cache_holds_the_reference_round_trip(checkpoint, prompts,
             f"{name}: logits differ by {float((completion.step_logits - expected.step_logits).abs().max())}"
 
 
-def test_engine_fp8_kv_cache_matches_fp8_emulating_oracle(checkpoint, prompts, backend_env):
+def test_engine_fp8_kv_cache_matches_fp8_emulating_oracle(checkpoint, prompts, engine_env):
     """fp8 (MODEL1) KV cache vs transformers' model storing exactly what an fp8 cache returns
     (hf_oracle's kv_cache="fp8": window K=V rows and compressed entries quantized on their way into
     its cache; indexer keys stay exact, as in the engine), both fed the engine's tokens (teacher
     forcing): logits within FP8_LOGITS_ATOL, while the quantization itself moves them by much more."""
-    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+    engine_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
     names = ["text", "long"]
     engine = Engine(checkpoint, kv_cache_dtype="fp8")
     completions = engine.generate([Request(n, prompts[n][0], 4) for n in names])
@@ -336,14 +319,14 @@ def test_engine_fp8_kv_cache_matches_fp8_emulating_oracle(checkpoint, prompts, b
 
 
 @pytest.mark.gpu
-def test_engine_paged_fp8_decode_matches_the_gather_path(checkpoint, prompts, backend_env, monkeypatch):
+def test_engine_paged_fp8_decode_matches_the_gather_path(checkpoint, prompts, engine_env, monkeypatch):
     """bf16 engine, fp8 stores, TileLang: decode through the paged fp8 path (the engine's) against decode
     through the gathered path (gather_dequant + the bf16 kernel; the dispatcher's paged fp8 kernels
     patched away). Both attend over the same bf16 values in the same order with the same split (the
     paths' equality is tested bit for bit in tests/test_decode.py), so tokens must be equal and logits
     (nearly) so."""
     pytest.importorskip("tilelang", reason="the paged fp8 kernel is TileLang's")
-    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="tilelang")
+    engine_env(DEEPINFER_SPARSE_MLA_BACKEND="tilelang")
     calls = []
     real = dispatch.run_paged_fp8_kernel
 
@@ -373,11 +356,11 @@ def test_engine_paged_fp8_decode_matches_the_gather_path(checkpoint, prompts, ba
 
 
 @pytest.mark.gpu
-def test_engine_on_gpu_without_tilelang_matches_oracle_fp32(checkpoint, prompts, oracle, backend_env):
+def test_engine_on_gpu_without_tilelang_matches_oracle_fp32(checkpoint, prompts, oracle, engine_env):
     """A GPU node without TileLang (simulated): the float32 engine on CUDA through the Triton backend
     (the portable sparse MLA kernel, Triton ops and sampler) against the CPU oracle: greedy tokens
     equal, per-step logits to fp32 rounding, no op fallback."""
-    backend_env(DEEPINFER_SIMULATE_NO_TILELANG="1", DEEPINFER_OPS_STRICT="1")
+    engine_env(DEEPINFER_SIMULATE_NO_TILELANG="1", DEEPINFER_OPS_STRICT="1")
     names = list(prompts)
     engine = Engine(checkpoint, device="cuda", dtype=torch.float32)
     completions = engine.generate([Request(n, prompts[n][0], prompts[n][1]) for n in names])
@@ -387,18 +370,18 @@ def test_engine_on_gpu_without_tilelang_matches_oracle_fp32(checkpoint, prompts,
     _all_pages_free(engine)
 
 
-def test_engine_rejects_float32_on_tilelang(checkpoint, backend_env, monkeypatch):
+def test_engine_rejects_float32_on_tilelang(checkpoint, engine_env, monkeypatch):
     """The TileLang sparse MLA kernels take bf16 only: a float32 engine on a process that resolved
     tilelang fails at construction, naming dtype and the way out, instead of in its first forward."""
-    backend_env()
+    engine_env()
     monkeypatch.setattr(dispatch, "resolve_backend", lambda: "tilelang")
     with pytest.raises(ValueError, match=r"dtype: torch.float32 .*tilelang.*DEEPINFER_SPARSE_MLA_BACKEND=triton"):
         Engine(checkpoint, dtype=torch.float32)
     Engine(checkpoint, dtype=torch.bfloat16)  # bf16 is what the kernels take
 
 
-def test_engine_rejects_bad_requests(checkpoint, backend_env):
-    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+def test_engine_rejects_bad_requests(checkpoint, engine_env):
+    engine_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
     engine = Engine(checkpoint, max_seq_len=64)
     cases = [
         ([Request("a", [5], 2), Request("a", [6], 2)], "duplicate request_id"),
@@ -422,8 +405,8 @@ def test_engine_rejects_bad_requests(checkpoint, backend_env):
     _all_pages_free(engine)
 
 
-def test_engine_gives_pages_back_after_a_failing_step(checkpoint, backend_env, monkeypatch):
-    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+def test_engine_gives_pages_back_after_a_failing_step(checkpoint, engine_env, monkeypatch):
+    engine_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
     engine = Engine(checkpoint, max_batch_size=2)
     calls = []
 
@@ -451,7 +434,7 @@ def test_engine_gives_pages_back_after_a_failing_step(checkpoint, backend_env, m
 SAMPLED = dict(temperature=0.8, top_p=0.9)
 
 
-def test_sampling_params_are_validated_naming_the_field(checkpoint, backend_env):
+def test_sampling_params_are_validated_naming_the_field(checkpoint, engine_env):
     from engine.runner import SamplingParams
 
     assert SamplingParams().greedy and not SamplingParams(temperature=0.8).greedy
@@ -477,7 +460,7 @@ def test_sampling_params_are_validated_naming_the_field(checkpoint, backend_env)
     for kwargs, error, field in cases:
         with pytest.raises(error, match=rf"SamplingParams\.{field}: expected"):
             SamplingParams(**kwargs)
-    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+    engine_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
     engine = Engine(checkpoint, max_seq_len=64)
     with pytest.raises(TypeError, match=r"requests\[0\]\.sampling: expected a SamplingParams"):
         engine.generate([Request("a", [5], 2, sampling={"temperature": 0.8})])
@@ -493,12 +476,12 @@ def _sampled_requests(prompts, seeds, greedy=("short",), n=4):
 
 
 def test_sampled_engine_ref_and_triton_samplers_agree_and_greedy_rows_stay_greedy(checkpoint, prompts, oracle,
-                                                                                 backend_env, launch_batches):
+                                                                                 engine_env, launch_batches):
     """fp32, temperature 0.8, top-p 0.9, a batch of two sampled requests and a greedy one: the
     Triton sampler (interpreted) picks exactly the numpy reference sampler's tokens (the same
     logits: attention and ops are the torch references in both runs), and the greedy request gets
     the oracle's greedy tokens although it shares every sampling launch with sampled rows."""
-    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+    engine_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
     engine = Engine(checkpoint, max_batch_size=3, max_seq_len=256)
     assert engine.sample_backend == "ref"
     launches = launch_batches(sampling, "sample")
@@ -514,7 +497,7 @@ def test_sampled_engine_ref_and_triton_samplers_agree_and_greedy_rows_stay_greed
     _all_pages_free(engine)
 
 
-def test_sampled_engine_is_deterministic_per_seed(checkpoint, prompts, oracle, backend_env):
+def test_sampled_engine_is_deterministic_per_seed(checkpoint, prompts, oracle, engine_env):
     """One batch: two requests with the same prompt and seed (other batch slots) give the same tokens;
     two more with other seeds give other tokens. Deterministic: fixed seeds and fp32 CPU logits, so
     the outcome is fixed; it is not a lucky one: the chance that another seed repeats a request's 8
@@ -522,7 +505,7 @@ def test_sampled_engine_is_deterministic_per_seed(checkpoint, prompts, oracle, b
     has probability 0.1-0.9 per step). The greedy request of the batch gets the oracle's tokens."""
     from engine.runner import SamplingParams
 
-    backend_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
+    engine_env(DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref")
     engine = Engine(checkpoint, max_batch_size=5, max_seq_len=256)
     text = prompts["text"][0]
     seeds = {"a": 21, "a-again": 21, "b": 22, "c": 23}
@@ -584,14 +567,14 @@ def _forbid_host_transfers(monkeypatch):
 
 
 def test_decode_metadata_is_built_once_per_step_and_the_device_forward_copies_nothing(checkpoint, prompts,
-                                                                                       backend_env, monkeypatch):
+                                                                                       engine_env, monkeypatch):
     """build_decode_inputs runs once per decode step (not per layer: every layer of the step runs on its
     metadata), and the step's device forward (decode_step: what a CUDA graph captures: the metadata views,
     every layer with its compressors, indexer, attention and MoE, the head) creates no tensor from host
     data, reads none back and moves none between devices."""
     from engine.model import deepseek_v4
 
-    backend_env()
+    engine_env()
     real_build, real_attention = deepseek_v4.build_decode_inputs, deepseek_v4.DeepseekV4Runtime._decode_attention
     real_step = deepseek_v4.DeepseekV4Runtime.decode_step
     builds, attention_calls = [], []

@@ -19,11 +19,11 @@ import json
 import pytest
 import torch
 
-from engine import ops
 from engine.h20_ops import sampling
-from engine.h20_ops.attention import dispatch
 from engine.model import nextn, tiny
 from engine.runner import Engine, Request
+
+from conftest import set_engine_env
 
 FP32_LOGITS_ATOL = 2e-3  # as tests/test_model_engine.py: summation-order differences stay ~1e-4
 # stored rows: the verifier computes k + 1 rows per matmul, the reference one (fp32 summation order:
@@ -46,24 +46,6 @@ def _requests(names=tuple(PROMPTS)):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return tiny.write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
-
-
-def _set_env(monkeypatch, **values):
-    for name in ("DEEPINFER_SPARSE_MLA_BACKEND", "DEEPINFER_KERNELS", "DEEPINFER_OPS_STRICT",
-                 "DEEPINFER_USE_NEXTN_DECODE", "DEEPINFER_SIMULATE_NO_TILELANG"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in values.items():
-        monkeypatch.setenv(name, value)
-    dispatch.reset_resolution_for_tests()
-    sampling.reset_resolution_for_tests()
-    ops.reset_fallback_counts()
-
-
-@pytest.fixture(autouse=True)
-def _reset_resolutions():
-    yield
-    dispatch.reset_resolution_for_tests()
-    sampling.reset_resolution_for_tests()
 
 
 def _snapshot(engine, active):
@@ -124,7 +106,7 @@ def _all_pages_free(engine):
 def reference(checkpoint):
     """The non-speculative engine (ref attention and ops): completions, stats, per-length states."""
     with pytest.MonkeyPatch.context() as mp:
-        _set_env(mp, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="0")
+        set_engine_env(mp, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="0")
         engine = Engine(checkpoint, max_batch_size=2, max_seq_len=256)
         states = _record_states(engine, mp)
         completions = engine.generate(_requests())
@@ -191,7 +173,7 @@ def test_reference_matches_the_transformers_oracle(checkpoint, reference):
 
 def test_nextn_greedy_equals_reference_and_reports_acceptance(checkpoint, reference, monkeypatch):
     """The checkpoint's own (random) NextN drafts, k = 1: tokens as without NextN."""
-    _set_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
+    set_engine_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
     engine = Engine(checkpoint, max_batch_size=2, max_seq_len=256)
     states = _record_states(engine, monkeypatch)
     _assert_same_completions(engine.generate(_requests()), reference)
@@ -214,7 +196,7 @@ def test_nextn_greedy_equals_reference_and_reports_acceptance(checkpoint, refere
 def test_accepted_and_rejected_drafts_leave_the_reference_state(checkpoint, reference, monkeypatch):
     """k = 2 with an oracle drafter: steps accept 0, 1 or 2 drafts (+ bonus); after each step the
     main model's state equals the non-speculative engine's at the same stored length."""
-    _set_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
+    set_engine_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
     engine = Engine(checkpoint, max_batch_size=2, max_seq_len=256, num_speculative_tokens=2)
     ref_tokens = {rid: c.output_ids for rid, c in reference[0].items()}
     vocab = engine.vocab_size
@@ -263,7 +245,7 @@ def test_verification_ranks_only_the_index_keys_each_token_sees(checkpoint, monk
     prompt = torch.randint(2, 258, (300,), generator=g).tolist()
     runs = {}
     for nextn in ("0", "1"):
-        _set_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref",
+        set_engine_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref",
                  DEEPINFER_USE_NEXTN_DECODE=nextn)
         engine = Engine(checkpoint, max_batch_size=1, max_seq_len=512, num_speculative_tokens=5)
         runs[nextn] = engine.generate([Request("a", prompt, 16)])[0]
@@ -305,7 +287,7 @@ def test_nextn_needs_nextn_weights_and_valid_k(checkpoint, tmp_path, monkeypatch
     shutil.copytree(checkpoint, bare)
     state = {k: v for k, v in load_file(checkpoint / "model.safetensors").items() if not k.startswith("mtp.")}
     save_file(state, str(bare / "model.safetensors"), metadata={"format": "pt"})
-    _set_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
+    set_engine_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
     with pytest.raises(ValueError, match="checkpoint_dir: .* no NextN"):
         Engine(bare)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
@@ -314,7 +296,7 @@ def test_nextn_needs_nextn_weights_and_valid_k(checkpoint, tmp_path, monkeypatch
 
 def test_nextn_triton_default_path(checkpoint, reference, monkeypatch):
     """TileLang blocked: triton sparse MLA and ops (interpreted), Triton rejection sampling, strict."""
-    _set_env(monkeypatch, DEEPINFER_SIMULATE_NO_TILELANG="1", DEEPINFER_KERNELS="triton", DEEPINFER_OPS_STRICT="1",
+    set_engine_env(monkeypatch, DEEPINFER_SIMULATE_NO_TILELANG="1", DEEPINFER_KERNELS="triton", DEEPINFER_OPS_STRICT="1",
              DEEPINFER_USE_NEXTN_DECODE="1")
     engine = Engine(checkpoint, max_batch_size=2)
     completions = engine.generate([Request("mid", PROMPTS["mid"][0], 3), Request("one", [0], 3)])
@@ -349,7 +331,7 @@ def test_nextn_sampled_ref_and_triton_samplers_agree(checkpoint, reference, monk
     and emits exactly the numpy reference sampler's tokens (same logits: torch-reference attention
     and ops in both runs); the greedy request in the same launches keeps the non-speculative greedy
     tokens; each verify step is one rejection_sample launch for the whole batch."""
-    _set_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
+    set_engine_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
     engine = Engine(checkpoint, max_batch_size=2, max_seq_len=256, num_speculative_tokens=2)
     requests = lambda: _sampled([31], greedy=True)  # noqa: E731
     launches = launch_batches(sampling, "rejection_sample")
@@ -371,7 +353,7 @@ def test_nextn_sampled_is_deterministic_per_seed_and_greedy_rows_stay_greedy(che
     outcome; 6 tokens at T 0.8 / top-p 0.9, where this model's top token has probability 0.1-0.9,
     rarely repeat by chance: tests/test_model_engine.py bounds that chance for 8); the greedy
     request of the batch gets the non-speculative greedy tokens."""
-    _set_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
+    set_engine_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
     engine = Engine(checkpoint, max_batch_size=5, max_seq_len=256)
     requests = _sampled([41, 42, 43], greedy=True, n=6)
     twin = _sampled([41], n=6)[0]
@@ -394,7 +376,7 @@ def test_draft_and_verify_draws_never_share_a_stream_word(checkpoint, monkeypatc
     (position + j) would draw again."""
     from engine.h20_ops.sampling.reference import DRAW_ACCEPT, DRAW_DRAFT, DRAW_SAMPLE
 
-    _set_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
+    set_engine_env(monkeypatch, DEEPINFER_SPARSE_MLA_BACKEND="ref", DEEPINFER_KERNELS="ref", DEEPINFER_USE_NEXTN_DECODE="1")
     engine = Engine(checkpoint, max_batch_size=2, max_seq_len=256, num_speculative_tokens=2)
     used, outcomes = [], []
     real_sample, real_rejection = sampling.sample, sampling.rejection_sample
