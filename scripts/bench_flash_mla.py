@@ -310,7 +310,8 @@ def run_decode_row(row: DecodeRow, backends: list[str], flashmla, timer: Timer, 
                                                                             meta, None, **kwargs)
                 cell.path = "FlashMLA sparse fp8 decode"
             else:
-                use_backend(cell.backend := name)
+                cell.backend = name
+                use_backend(name)
                 meta, _ = ours.get_mla_metadata()
                 out = torch.empty(*case.q.shape[:3], 512, dtype=case.q.dtype, device=device)
                 cell.fn = lambda meta=meta, out=out: ours.flash_mla_with_kvcache(case.q, case.main.cache, None, None,
@@ -360,11 +361,13 @@ def run_prefill_row(row: PrefillRow, backends: list[str], flashmla, timer: Timer
                                                                 case.attn_sink, None)
                 cell.path = "FlashMLA sparse prefill"
             elif name == "tilelang-api":
-                use_backend(cell.backend := "tilelang")
+                cell.backend = "tilelang"
+                use_backend("tilelang")
                 cell.fn = lambda: sparse_mla_prefill(case.q, case.kv, case.indices, case.sm_scale,
                                                      attn_sink=case.attn_sink)
             else:
-                use_backend(cell.backend := name)
+                cell.backend = name
+                use_backend(name)
                 out_buf = torch.empty(row.s_q, row.h_q, 512, dtype=case.q.dtype, device=device)
                 cell.fn = lambda out_buf=out_buf: ours.flash_mla_sparse_fwd(case.q, case.kv, case.indices,
                                                                             case.sm_scale, attn_sink=case.attn_sink,
