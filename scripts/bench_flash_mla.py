@@ -295,6 +295,25 @@ def compare(name: str, got: tuple, want: tuple, tolerances) -> str:
     return "MATCH"
 
 
+def record_error(cell: Cell, exc: BaseException) -> None:
+    cell.error = short_error(exc)
+    if os.environ.get("BENCH_TRACEBACK"):
+        traceback.print_exc()
+
+
+def check_cells(cells: dict[str, Cell], oracle, tolerances) -> None:
+    """Each cell of ours against FlashMLA's result, or without it against oracle() when given (None: no
+    check); tolerances(cell): one per compared tensor. Results are (out, lse natural[, max_logits])."""
+    reference = cells["flashmla"].result if "flashmla" in cells else None
+    if reference is None and oracle is not None:
+        reference = oracle()
+    if reference is None:
+        return
+    for name, cell in cells.items():
+        if name != "flashmla" and cell.result is not None:
+            cell.check = compare(name, cell.result, reference[:len(cell.result)], tolerances(cell))
+
+
 def run_decode_row(row: DecodeRow, backends: list[str], flashmla, timer: Timer, device, small: bool) -> dict:
     case = T.flashmla_decode_case(1, batch=row.batch, s_q=row.s_q, h_q=row.h_q, layout=row.layout, topk=row.topk,
                                   s_kv=row.s_kv, block_size=row.block_size, extra=row.extra, strided_q=False,
@@ -325,20 +344,14 @@ def run_decode_row(row: DecodeRow, backends: list[str], flashmla, timer: Timer, 
             if device.type == "cuda":
                 replay = captured(cell.fn, device)
                 cell.modes["graph"] = (replay, timer.calls_for(replay), [])
-        except Exception as exc:  # noqa: BLE001
-            cell.error = short_error(exc)
-            if os.environ.get("BENCH_TRACEBACK"):
-                traceback.print_exc()
-    reference = None
-    if "flashmla" in cells and cells["flashmla"].result is not None:
-        reference = cells["flashmla"].result
-    elif small:
+        except Exception as exc:  # noqa: BLE001 (a cell's failure is printed, the run goes on)
+            record_error(cell, exc)
+    def oracle():
         ref = case.oracle()
-        reference = (ref.out, ref.lse.transpose(1, 2))
-    for name, cell in cells.items():
-        if name != "flashmla" and cell.result is not None and reference is not None:
-            cell.check = compare(name, cell.result, reference,
-                                 (T.out_tolerance(T.DECODE_OUT, cell.result[0], split=cell.split), T.DECODE_LSE))
+        return ref.out, ref.lse.transpose(1, 2)
+
+    check_cells(cells, oracle if small else None,
+                lambda cell: (T.out_tolerance(T.DECODE_OUT, cell.result[0], split=cell.split), T.DECODE_LSE))
     for mode in ("eager", "graph"):
         interleaved(cells, timer, mode)
     distinct = int(torch.unique(case.indices).numel()) + (
@@ -380,20 +393,14 @@ def run_prefill_row(row: PrefillRow, backends: list[str], flashmla, timer: Timer
             if name != "flashmla":
                 cell.path = f"{'sparse_mla_prefill: ' if name == 'tilelang-api' else ''}{last_choice('prefill')}"
             cell.modes["eager"] = (cell.fn, timer.calls_for(cell.fn), [])
-        except Exception as exc:  # noqa: BLE001
-            cell.error = short_error(exc)
-            if os.environ.get("BENCH_TRACEBACK"):
-                traceback.print_exc()
-    reference = None
-    if "flashmla" in cells and cells["flashmla"].result is not None:
-        reference = cells["flashmla"].result
-    elif small:
+        except Exception as exc:  # noqa: BLE001 (a cell's failure is printed, the run goes on)
+            record_error(cell, exc)
+    def oracle():
         ref = case.oracle()
-        reference = (ref.out, ref.lse, ref.max_logits)
-    for name, cell in cells.items():
-        if name != "flashmla" and cell.result is not None and reference is not None:
-            tolerances = (T.out_tolerance(T.PREFILL_OUT, cell.result[0]), T.PREFILL_STATS, T.PREFILL_STATS)
-            cell.check = compare(name, cell.result, reference[:len(cell.result)], tolerances)
+        return ref.out, ref.lse, ref.max_logits
+
+    check_cells(cells, oracle if small else None,
+                lambda cell: (T.out_tolerance(T.PREFILL_OUT, cell.result[0]), T.PREFILL_STATS, T.PREFILL_STATS))
     interleaved(cells, timer, "eager")
     return dict(cells=cells, flops=row.flops(), bytes=None)
 

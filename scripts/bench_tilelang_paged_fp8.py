@@ -34,6 +34,8 @@ from engine.h20_ops import kv_cache  # noqa: E402
 from engine.h20_ops.attention.tilelang_sm90_paged_fp8 import sparse_mla_fwd_sm90_paged_fp8  # noqa: E402
 from engine.h20_ops.platform import sm_count  # noqa: E402
 
+from bench_flash_mla import captured  # noqa: E402  (this folder is on sys.path: the script's own)
+
 S_Q = 2
 D_V = 512
 BATCHES = (2, 64, 74, 128, 148, 256)
@@ -88,19 +90,6 @@ def v32_inputs(batch: int, gen: torch.Generator, device):
     return cache, None, indices.reshape(batch * S_Q, -1).to(torch.int32).contiguous()
 
 
-def graphed(fn):
-    """fn captured in one CUDA graph (warmed up on a side stream first, as torch requires)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA device (SM90)")
@@ -133,13 +122,13 @@ def main() -> int:
 
             out, lse = call()
             assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all(), "non-finite output"
-            graph = graphed(call)
-            ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+            replay = captured(call, device)
+            ms = triton.testing.do_bench(replay, warmup=25, rep=200, return_mode="median")
             flop = 2 * rows * topk_total * h_q * (d_qk + D_V)
             ctas = min(rows * (h_q // 64), sm_count(device))
             print(f"{layout_name:>6s} {batch:4d} {h_q:4d} {topk_label:>10s} {pages:>7s} {ctas:5d} {ms * 1e3:8.1f} "
                   f"{flop / (ms * 1e-3) / 1e12:8.1f}", flush=True)
-            del graph, out, lse
+            del replay, out, lse
         del cache0, cache1, indices
         torch.cuda.empty_cache()
     return 0

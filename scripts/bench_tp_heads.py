@@ -37,10 +37,8 @@ import argparse
 import dataclasses
 import logging
 import math
-import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -88,12 +86,6 @@ def padded(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
     return out
 
 
-def _fail(cell: base.Cell, exc: BaseException) -> None:
-    cell.error = base.short_error(exc)
-    if os.environ.get("BENCH_TRACEBACK"):
-        traceback.print_exc()
-
-
 def run_prefill_row(row: base.PrefillRow, pad_backends: list[str], flashmla, timer: base.Timer,
                     device: torch.device) -> dict[str, base.Cell]:
     """Results kept as (out [s_q, h_q, 512], lse natural [s_q, h_q]) of the first h_q heads."""
@@ -115,7 +107,7 @@ def run_prefill_row(row: base.PrefillRow, pad_backends: list[str], flashmla, tim
             cell.path = dispatch.prefill_kernel(q, case.kv, backend).kernel
             cell.modes["eager"] = (cell.fn, timer.calls_for(cell.fn), [])
         except Exception as exc:  # noqa: BLE001 (a variant's failure is printed in its line, the run goes on)
-            _fail(cell, exc)
+            base.record_error(cell, exc)
     if flashmla is not None:
         cell = cells["flashmla"] = base.Cell(path="FlashMLA sparse prefill, padded to 64 heads")
         try:
@@ -125,7 +117,7 @@ def run_prefill_row(row: base.PrefillRow, pad_backends: list[str], flashmla, tim
             cell.result = (out[:, :h_q].clone(), lse[:, :h_q].clone())
             cell.modes["eager"] = (cell.fn, timer.calls_for(cell.fn), [])
         except Exception as exc:  # noqa: BLE001
-            _fail(cell, exc)
+            base.record_error(cell, exc)
     native = cells["native"]
     if native.result is not None:
         tolerances = (T.out_tolerance(T.PREFILL_OUT, native.result[0]), T.PREFILL_STATS)
@@ -172,7 +164,7 @@ def run_decode_row(row: base.DecodeRow, pad_backends: list[str], flashmla, timer
             cell.split = plan.splits > 1
             _add_modes(cell, timer, device)
         except Exception as exc:  # noqa: BLE001
-            _fail(cell, exc)
+            base.record_error(cell, exc)
     if flashmla is not None:
         cell = cells["flashmla"] = base.Cell(path="FlashMLA sparse fp8 decode, padded to 64 heads")
         try:
@@ -184,7 +176,7 @@ def run_decode_row(row: base.DecodeRow, pad_backends: list[str], flashmla, timer
             cell.result = (out[:, :, :h_q].clone(), lse[:, :h_q].transpose(1, 2).clone())
             _add_modes(cell, timer, device)
         except Exception as exc:  # noqa: BLE001
-            _fail(cell, exc)
+            base.record_error(cell, exc)
     native = cells["native"]
     reference = _reference(cells)
     if native.result is not None and reference is not None:
