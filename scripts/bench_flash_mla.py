@@ -163,14 +163,15 @@ def available_backends(wanted: list[str], device: torch.device) -> tuple[list[st
     return names, notes, flashmla
 
 
-def precompile_tilelang(prefill_variants: set[tuple[int, int, bool]], paged_heads: set[int]) -> None:
+def precompile_tilelang(prefill_variants: set[tuple[int, int, bool]], paged_variants: set[tuple[int, str]]) -> None:
     """Compiles the TileLang kernels the rows need, one process each, in parallel, into TileLang's disk
     cache (this process then loads them): a cold compile takes about a minute per kernel.
-    prefill_variants: (h_q, d_qk, with_max_logits) of the prefill kernel."""
+    prefill_variants: (h_q, d_qk, with_max_logits) of the prefill kernel; paged_variants: (h_q, layout name) of
+    the paged fp8 kernel."""
     jobs = [f"from engine.h20_ops.attention.tilelang_sm90 import compiled_kernel; compiled_kernel({h}, {d}, {m})"
             for h, d, m in sorted(prefill_variants)]
-    jobs += [f"from engine.h20_ops.attention.tilelang_sm90_paged_fp8 import compiled_kernel; compiled_kernel({h})"
-             for h in sorted(paged_heads)]
+    jobs += [f"from engine.h20_ops.attention.tilelang_sm90_paged_fp8 import compiled_kernel; compiled_kernel({h}, {name!r})"
+             for h, name in sorted(paged_variants)]
     start = time.time()
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
@@ -491,7 +492,7 @@ def main() -> int:
         # decode's gathered / direct paths run the base-2 variant; flash_mla_sparse_fwd the max_logits one
         precompile_tilelang({(r.h_q, r.layout.d, False) for r in d_rows}
                             | {(r.h_q, r.d_qk, m) for r in p_rows for m in (False, True)},
-                            {r.h_q for r in d_rows if r.layout is kv_cache.MODEL1})
+                            {(r.h_q, r.layout.name) for r in d_rows})
     timer = Timer(device)
     ok = True
     start = time.time()

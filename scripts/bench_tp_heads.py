@@ -260,7 +260,7 @@ def main() -> int:
     p_rows = [] if opts.decode_only else prefill_rows(heads, opts.quick)
     if "tilelang" in pad_backends:  # the padded calls: the base-2 prefill kernel, the paged fp8 MODEL1 kernel
         base.precompile_tilelang({(PADDED_HEADS, 512, False)} if p_rows else set(),
-                                 {PADDED_HEADS} if d_rows else set())
+                                 {(PADDED_HEADS, kv_cache.MODEL1.name)} if d_rows else set())
     timer = base.Timer(device)
     ok = True
     start = time.time()

@@ -9,7 +9,6 @@ them, then N - 1 decode steps of batch B. After a warm-up (compiles, graph captu
   wall    the engine's decode step as stats() times it (Engine._decode: metadata, the copy, the forward or
           the replay, sampling, bookkeeping, ending with the tokens on the host), median of --repeats
           generate calls: decode_seconds / decode_steps;
-  events  CUDA-event time of generate(N) minus generate(1) (the same prefill, no decode step), per step;
   gpu     the kernels (and copies) the decode steps run: torch.profiler's CUDA activities summed over
           generate(N) minus generate(1), per step; `launches` counts them;
   verdict GPU-bound when wall <= 1.5 x gpu.
@@ -40,6 +39,7 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
+ROOT = HERE.parent.parent
 GPU_BOUND = 1.5
 THROUGHPUT_LENGTHS = [150, 7, 1, 62, 300]  # scripts/nextn_gpu_check.py's
 
@@ -85,15 +85,6 @@ def _gpu_time(engine, requests, torch):
     return _device_us(prof)
 
 
-def _event_ms(engine, requests, torch) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    engine.generate(requests)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
-
-
 def measure_step(Engine, Request, checkpoint, graphs, batch, prompt_tokens, new_tokens, repeats) -> dict:
     import torch
 
@@ -110,12 +101,10 @@ def measure_step(Engine, Request, checkpoint, graphs, batch, prompt_tokens, new_
         steps = after["decode_steps"] - before["decode_steps"]
         walls.append((after["decode_seconds"] - before["decode_seconds"]) / steps * 1e3)
     steps = new_tokens - 1
-    events = (statistics.median(_event_ms(engine, full, torch) for _ in range(repeats))
-              - statistics.median(_event_ms(engine, prefill_only, torch) for _ in range(repeats))) / steps
     gpu_full, n_full = _gpu_time(engine, full, torch)
     gpu_prefill, n_prefill = _gpu_time(engine, prefill_only, torch)
     stats = engine.stats()
-    return {"batch": batch, "wall_ms": statistics.median(walls), "events_ms": events,
+    return {"batch": batch, "wall_ms": statistics.median(walls),
             "gpu_ms": (gpu_full - gpu_prefill) / steps / 1e3, "launches": (n_full - n_prefill) / steps,
             "decode_tokens_per_s": batch / (statistics.median(walls) / 1e3),
             "cuda_graphs": stats.get("cuda_graphs"), "sparse_mla_backend": stats.get("sparse_mla_backend")}
@@ -171,7 +160,9 @@ def run_tree(tree: Path, label: str, args) -> dict:
                "--batches", ",".join(map(str, args.batches)), "--prompt-tokens", str(args.prompt_tokens),
                "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
                "--throughput-new-tokens", str(args.throughput_new_tokens)]
-        env = dict(os.environ, PYTHONPATH=str(tree), PYTHONUNBUFFERED="1")
+        # the tree's engine first; the rest of PYTHONPATH (e.g. TileLang's bundle) stays, this checkout does not
+        rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), *rest]), PYTHONUNBUFFERED="1")
         start = time.perf_counter()
         proc = subprocess.run(cmd, env=env)
         print(f"[{label}] {tree}: worker exit {proc.returncode} after {time.perf_counter() - start:.0f} s",
@@ -184,8 +175,8 @@ def run_tree(tree: Path, label: str, args) -> dict:
 
 def report(results: list[tuple[str, dict]]) -> bool:
     ok = True
-    print("| tree | mode | B | wall ms/step | CUDA events ms/step | GPU kernels ms/step | launches/step | "
-          "wall / GPU | verdict | decode tokens/s | graphs captured / replays |")
+    print("| tree | backend | mode | B | wall ms/step | GPU kernels ms/step | launches/step | wall / GPU | verdict | "
+          "decode tokens/s | graphs captured / replays |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, res in results:
         for row in res["steps"]:
@@ -195,8 +186,8 @@ def report(results: list[tuple[str, dict]]) -> bool:
                 ok = False
             graphs = row.get("cuda_graphs") or {}
             graph_cell = f"{graphs.get('captured', 0)} / {graphs.get('replays', 0)}" if graphs else "n/a"
-            print(f"| {label} | {row['mode']} | {row['batch']} | {row['wall_ms']:.3f} | {row['events_ms']:.3f} | "
-                  f"{row['gpu_ms']:.3f} | {row['launches']:.0f} | {ratio:.2f} | "
+            print(f"| {label} | {row.get('sparse_mla_backend')} | {row['mode']} | {row['batch']} | "
+                  f"{row['wall_ms']:.3f} | {row['gpu_ms']:.3f} | {row['launches']:.0f} | {ratio:.2f} | "
                   f"{'GPU-bound' if bound else 'host-bound'} | {row['decode_tokens_per_s']:.0f} | {graph_cell} |")
     print()
     print("| tree | mode | tokens/s, 16 requests: first call (compiles and captures) | second call |")

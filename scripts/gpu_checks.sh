@@ -16,17 +16,23 @@ mkdir -p "$logdir"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TILELANG_CACHE_DIR=/tmp/tilelang_cache
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PATH="/usr/local/cuda/bin:$PATH"
+# Each install runs once per machine (a marker file): several gpu_checks.sh may run side by side.
 bundle=$(ls .tilelang_bundle/*.tar.xz 2>/dev/null | head -1)
 if [ -n "$bundle" ]; then
-    bash scripts/tilelang_bundle.sh install "$bundle" /tmp/tl >>"$logdir/bundle.log" 2>&1 && export PYTHONPATH="/tmp/tl:$PYTHONPATH"
+    [ -f /tmp/tl/.installed ] || { bash scripts/tilelang_bundle.sh install "$bundle" /tmp/tl >>"$logdir/bundle.log" 2>&1 \
+        && touch /tmp/tl/.installed; }
+    [ -f /tmp/tl/.installed ] && export PYTHONPATH="/tmp/tl:$PYTHONPATH"
 fi
 if [ -f .flashmla/flash_mla_sm90_pkg.tar.xz ]; then
-    mkdir -p /tmp/fmla && tar -C /tmp/fmla -xJf .flashmla/flash_mla_sm90_pkg.tar.xz && export PYTHONPATH="/tmp/fmla:$PYTHONPATH"
+    [ -f /tmp/fmla/.installed ] || { mkdir -p /tmp/fmla && tar -C /tmp/fmla -xJf .flashmla/flash_mla_sm90_pkg.tar.xz \
+        && touch /tmp/fmla/.installed; }
+    [ -f /tmp/fmla/.installed ] && export PYTHONPATH="/tmp/fmla:$PYTHONPATH"
 fi
 # Wheels carried in .wheels_e2e/ (e.g. a newer transformers for the bf16 oracle) shadow the image's.
 if ls .wheels_e2e/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels_e2e/*.whl \
-        >>"$logdir/bundle.log" 2>&1 && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+    [ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+        .wheels_e2e/*.whl >>"$logdir/bundle.log" 2>&1 && touch /tmp/site/.installed; }
+    [ -f /tmp/site/.installed ] && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 flaggems=.whl/flaggems/flashmla_sparse.py
 summary=()

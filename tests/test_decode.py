@@ -43,7 +43,7 @@ FP8_CASES = [name for name in CASES if CASES[name].get("layout") is not None]
 @pytest.fixture
 def launches(monkeypatch):
     """Records the launches of a decode call: the list launch, the gathers, the attention kernel (a prefill
-    kernel or the Triton paged fp8 kernel), the merge."""
+    kernel, the Triton paged fp8 kernel or the TileLang one), the merge."""
     from engine.h20_ops.attention import triton_paged_fp8
 
     calls = {"lists": [], "gathers": [], "kernel": [], "paged": [], "merge": []}
@@ -63,8 +63,17 @@ def launches(monkeypatch):
            lambda kernel, q, kv, indices, sm_scale, d_v, sink, lengths, *out: dict(kernel=kernel, q=q, kv=kv,
                                                                                    indices=indices, lengths=lengths))
     record(triton_paged_fp8, "paged_fp8_decode", "paged", lambda q, cache, indices, *a, **k: dict(q=q, splits=k["splits"]))
+    record(dispatch, "run_paged_fp8_kernel", "paged",
+           lambda kernel, q, cache0, cache1, lists, *a, **k: dict(q=q, lists=lists, kernel=kernel))
     record(decode, "merge_splits", "merge", lambda parts, lse, splits, *rest: splits)
     return calls
+
+
+@pytest.fixture
+def triton_process(engine_env):
+    """The process's backend pinned to triton: a float32 test on the process's backend (the TileLang kernels
+    are bf16 only and refuse float32 q by name, test_prefill's float32 test)."""
+    engine_env(DEEPINFER_SPARSE_MLA_BACKEND="triton")
 
 
 def check(case, plan, res, name: str = "") -> None:
@@ -130,7 +139,7 @@ def test_ref_backend_takes_any_head_count():
 
 @pytest.mark.parametrize("name,splits", [(FP8_CASES[0], 3), (FP8_CASES[1], 1)])
 def test_fp8_gathered_path_matches_oracle(monkeypatch, name, splits, launches):
-    """fp8 caches on the gathered path (what the TileLang backend takes for float32 q or caches its paged
+    """fp8 caches on the gathered path (what the TileLang backend takes for caches its paged
     kernel cannot read; here the Triton backend with its paged kernel taken away): one list launch, one
     gather_dequant per cache into one buffer, one prefill kernel launch."""
     monkeypatch.delitem(dispatch.PAGED_FP8_KERNELS, "triton")
@@ -145,8 +154,13 @@ def _check_launches(case, plan, launches):
     b, s_q, h_q, d = case.q.shape
     n, splits = b * s_q, plan.splits
     assert len(launches["kernel"]) + len(launches["paged"]) == 1 and len(launches["merge"]) == (splits > 1)
-    if plan.path == "paged_fp8":
+    if plan.kernel == "triton_paged_fp8":
         assert launches["lists"] == [] and launches["gathers"] == [] and launches["paged"][0]["splits"] == splits
+        return
+    if plan.path == "paged_fp8":  # the TileLang kernel: one list launch (a split's chunks and q rows), no gathers
+        paged = launches["paged"][0]
+        assert len(launches["lists"]) == 1 and not launches["lists"][0]["positions"] and launches["gathers"] == []
+        assert paged["lists"].shape == (n * splits, plan.chunk) and paged["q"].shape == (n * splits, h_q, d)
         return
     kernel = launches["kernel"][0]
     if plan.path == "direct" and splits == 1:
@@ -188,7 +202,7 @@ def test_ref_backend_is_exact(name, splits):
     check(case, plan, case.run(plan))
 
 
-def test_automatic_split_engages_for_few_rows():
+def test_automatic_split_engages_for_few_rows(triton_process):
     """num_splits None: one request of 2 query rows on 132 SMs (the CPU's assumed count) x 192 entries ->
     2 chunks of 96 (one pair of 64-entry blocks each); MODEL1 caches of 64-token pages (the engine's),
     padded block strides."""
@@ -225,7 +239,7 @@ def test_automatic_split_choice():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra,layout,splits", [(False, None, 1), (True, None, 2), (True, kv_cache.MODEL1, 1)])
-def test_decode_takes_views_of_any_stride(extra, layout, splits):
+def test_decode_takes_views_of_any_stride(extra, layout, splits, triton_process):
     """Dense caches, slot ids, lengths and the sink as views with non-unit strides (a cache: one row of
     each slot of a wider pool, its size-1 dim's stride not the row's; the sink also expanded from one
     value: stride 0), on the direct path (one dense cache, splits 1: the kernel reads the cache and the
@@ -255,7 +269,7 @@ def test_decode_takes_views_of_any_stride(extra, layout, splits):
     check(case, plan, case.run(plan))
 
 
-def test_all_invalid_extra_cache_contributes_nothing():
+def test_all_invalid_extra_cache_contributes_nothing(triton_process):
     case = decode_case(6, batch=2, s_q=2, h_q=64, topk=16, extra_topk=10, dtype=torch.float32, device=DEVICE)
     case.extra_topk_length = torch.zeros(2, dtype=torch.int32, device=DEVICE)
     with_extra = case.run(case.plan(num_splits=1))
@@ -445,7 +459,7 @@ def test_merge_keeps_nan_rows_nan():
 # bad input
 # ---------------------------------------------------------------------------------------------
 
-def test_decode_errors_name_the_argument():
+def test_decode_errors_name_the_argument(triton_process):
     case = decode_case(13, batch=2, s_q=1, h_q=64, topk=4, extra_topk=3, dtype=torch.float32, device=DEVICE)
     q, cache, extra = case.q, case.main.cache, case.extra.cache
     fp8 = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, 2, 16, DEVICE)

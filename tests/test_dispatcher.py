@@ -20,6 +20,8 @@ from engine.h20_ops.vendor.flashmla_sparse import flash_mla_sparse_fwd
 
 KERNEL_MODULE = dispatch.TILELANG_KERNEL_MODULE
 ROOT = Path(__file__).resolve().parents[1]
+# the test device, read at import: fixtures below make torch.cuda.is_available() answer True on a CPU
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _is_tilelang_module(name):
@@ -376,6 +378,7 @@ def _choice_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == dispatch.__name__]
 
 
+@cpu_suite_only  # the kernels it expects are the interpreter's (a GPU's: the tests below with stand-ins)
 def test_every_choice_is_recorded_once_with_its_reason(caplog):
     """Several calls of each kind: kernel_choices() lists each distinct choice once, in order, with its
     reason, and each is logged once (the CPU's kernels: the portable Triton kernel under the interpreter)."""
@@ -475,8 +478,8 @@ def test_auto_is_triton_on_a_gpu_that_is_not_sm90(fresh_process, capability, bac
 
 def test_decode_path_reasons(monkeypatch):
     """Each decode path with the reason it is chosen (paged fp8 kernels: Triton's for any q dtype and
-    cache alignment, TileLang's for bf16 q and 16-byte aligned caches; either fp8 layout), and the buffer
-    kernel that goes with it."""
+    cache alignment, TileLang's for bf16 q and 16-byte aligned caches; either fp8 layout), the buffer
+    kernel that goes with it, and the q dtypes a backend has no kernel for, refused."""
     dispatch.reset_resolution_for_tests()
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.setattr(dispatch, "triton_interprets", lambda: False)
@@ -496,8 +499,6 @@ def test_decode_path_reasons(monkeypatch):
         ((bf16, cuda, m1, False, "tilelang"), "paged_fp8: tilelang_sm90_paged_fp8",
          "backend tilelang, MODEL1 fp8 caches"),
         ((bf16, cuda, v32, True, "tilelang"), "paged_fp8: tilelang_sm90_paged_fp8", "backend tilelang, V32 fp8 caches"),
-        ((fp32, cuda, m1, True, "tilelang"), "gathered: tilelang_sm90",
-         "fp8 rows dequantized into a buffer: tilelang_sm90_paged_fp8 is bf16 only, q is float32"),
         ((bf16, cuda, m1, True, "tilelang", False), "gathered: tilelang_sm90",
          "fp8 rows dequantized into a buffer: tilelang_sm90_paged_fp8 needs 16-byte aligned cache bases and block "
          "strides"),
@@ -508,6 +509,14 @@ def test_decode_path_reasons(monkeypatch):
         got = dispatch.decode_path(*args, h_q=64, caches_aligned16=aligned)
         assert got == dispatch.KernelChoice("decode", kernel, reason), args
     assert len(ops.kernel_choices()) == len({(k, r) for _, k, r in cases})
+    # a q dtype no kernel of the backend takes is refused when the call is planned, naming the way out
+    for dtype in (fp32, torch.float16):
+        with pytest.raises(TypeError, match=r"^q_dtype: expected torch.bfloat16 on the tilelang backend \(the "
+                                            r"tilelang backend's kernels are bf16 only; DEEPINFER_SPARSE_MLA_BACKEND"):
+            dispatch.decode_path(dtype, cuda, m1, True, "tilelang", h_q=64)
+    with pytest.raises(TypeError, match=r"^q_dtype: expected torch.bfloat16 or torch.float32 on the triton backend, "
+                                        r"got torch.float16"):
+        dispatch.decode_path(torch.float16, cuda, None, False, "triton", h_q=64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,8 +533,9 @@ def test_auto_tilelang_runs_other_head_counts_on_triton_and_says_why(fresh_proce
     h_q 64 stays on TileLang."""
     fresh_process.setitem(sys.modules, KERNEL_MODULE, _fake_kernel_module())
     assert dispatch.resolve_backend() == "tilelang"
-    prefill = testing.prefill_case(5, s_q=3, h_q=16, d_qk=512, s_kv=30, topk=16, topk_length=True, sink=True)
-    fp8 = testing.decode_case(6, batch=2, s_q=1, h_q=8, topk=8, extra_topk=4, layout=kv_cache.MODEL1)
+    prefill = testing.prefill_case(5, s_q=3, h_q=16, d_qk=512, s_kv=30, topk=16, topk_length=True, sink=True,
+                                   device=DEVICE)
+    fp8 = testing.decode_case(6, batch=2, s_q=1, h_q=8, topk=8, extra_topk=4, layout=kv_cache.MODEL1, device=DEVICE)
     with caplog.at_level(logging.INFO, logger=dispatch.__name__):
         res = ops.sparse_mla_prefill(prefill.q, prefill.kv, prefill.indices, prefill.sm_scale, **prefill.kwargs())
         testing.assert_matches_oracle(res, prefill.oracle(), decode=False)

@@ -336,28 +336,29 @@ def _bad(change: str):
     (c0, c1), ((i0, l0), (i1, l1)) = case["caches"], case["lists"]
     args = dict(q=case["q"], cache0=c0, indices0=i0, lengths0=l0, cache1=c1, indices1=i1, lengths1=l1, s_q=2,
                 sm_scale=0.1, attn_sink=case["attn_sink"], splits=1)
+    dev = case["q"].device  # a bad tensor on another device would meet the device check first
     if change == "q_dtype":
         args["q"] = args["q"].half()
     elif change == "q_d":
-        args["q"] = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
+        args["q"] = torch.zeros(4, 16, 576, dtype=torch.bfloat16, device=dev)
     elif change == "s_q":
         args["s_q"] = 3
     elif change == "cache0_bytes":
-        args["cache0"] = torch.zeros(2, 16, 1, 600, dtype=torch.uint8)
+        args["cache0"] = torch.zeros(2, 16, 1, 600, dtype=torch.uint8, device=dev)
     elif change == "cache1_layout":
-        args["cache1"] = kv_cache.new_fp8_kv_cache(kv_cache.V32, 2, 16, "cpu")
+        args["cache1"] = kv_cache.new_fp8_kv_cache(kv_cache.V32, 2, 16, dev)
     elif change == "cache0_align":
-        args["cache0"] = torch.zeros(2 * 16 * 584 + 2, dtype=torch.uint8)[2:].view(2, 16, 1, 584)
+        args["cache0"] = torch.zeros(2 * 16 * 584 + 2, dtype=torch.uint8, device=dev)[2:].view(2, 16, 1, 584)
     elif change == "indices0_rows":
         args["indices0"] = i0[:3]
     elif change == "indices1_dtype":
         args["indices1"] = i1.long()
     elif change == "lengths1_shape":
-        args["lengths1"] = torch.zeros(4, dtype=torch.int32)
+        args["lengths1"] = torch.zeros(4, dtype=torch.int32, device=dev)
     elif change == "cache1_alone":
         args["indices1"] = None
     elif change == "sink_shape":
-        args["attn_sink"] = torch.zeros(8)
+        args["attn_sink"] = torch.zeros(8, device=dev)
     elif change == "sm_scale":
         args["sm_scale"] = float("nan")
     elif change == "splits":

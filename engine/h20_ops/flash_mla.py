@@ -66,7 +66,7 @@ import torch
 
 from .attention import dispatch
 from .attention.decode import D_V, DecodePlan, plan_sparse_decode, require_heads, sparse_mla_decode
-from .checks import check_decode_cache, check_out, check_sparse_mla_args
+from .checks import check_decode_cache, check_out, check_sparse_mla_args, require_tensor
 from .kv_cache import LAYOUTS
 
 __all__ = ["FlashMLASchedMeta", "flash_mla_sparse_fwd", "flash_mla_with_kvcache", "get_mla_metadata"]
@@ -199,7 +199,8 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
 def _plan(q, k_cache, indices, extra_k_cache, extra_indices) -> DecodePlan:
     """The plan of a metadata object's first call, q's heads and its caches validated first (errors in
     FlashMLA's names)."""
-    require_heads("q", q.size(2), None)
+    backend = require_heads("q", q.size(2), None)
+    require_tensor("q", q, dtypes=dispatch.Q_DTYPES[backend], ndim=4, dtype_note=dispatch.Q_DTYPE_NOTES.get(backend))
     check_decode_cache("k_cache", k_cache, q, LAYOUTS)
     extra_topk = 0
     if extra_k_cache is not None:

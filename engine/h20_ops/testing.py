@@ -467,11 +467,15 @@ def _paged_scope(gen: torch.Generator, *, batch: int, s_q: int, s_kv: int, topk:
     cache = kv_cache.new_fp8_kv_cache(layout, num_blocks, block_size, device)
     n_slots = num_blocks * block_size
     quantize = kv_cache.quantize_into_cache if cache.is_cuda else kv_cache.quantize_into_cache_ref
-    for start in range(0, n_slots, 1 << 20):  # chunks bound the float32 staging of big caches
-        chunk = torch.arange(start, min(start + (1 << 20), n_slots), device=device)
+    # slots in chunks of 2^20: one call over a big cache would stage several float32 copies of all of it
+    chunks = torch.arange(n_slots, device=device).split(1 << 20)
+    for chunk in chunks:
         quantize(cache, chunk, normal_inputs(gen, chunk.numel(), 1, layout.d, device=device))
-    rows = (kv_cache.dequantize_from_cache_ref(cache, torch.arange(n_slots, device=device), torch.float32)
-            if oracle_rows else None)
+    rows = None
+    if oracle_rows:
+        rows = torch.empty((n_slots, 1, layout.d), dtype=torch.float32, device=device)
+        for chunk in chunks:
+            rows[chunk] = kv_cache.dequantize_from_cache_ref(cache, chunk, torch.float32)
 
     n_rows, width = batch * s_q, pages * block_size
     row_lens = seqlens.repeat_interleave(s_q)

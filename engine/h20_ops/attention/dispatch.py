@@ -17,7 +17,9 @@ Choices (each logged once per process with its reason, and listed by `kernel_cho
     explicitly is refused for it (ValueError naming q / h_q), as nothing runs in place of what was named;
   - the decode path of a call (attention/decode.py): `paged_fp8` (a kernel reads the paged fp8 caches
     itself), `gathered` (the rows of both caches are gathered, dequantized if fp8, into one buffer for the
-    prefill kernel) or `direct` (one dense cache: the prefill kernel reads it in place).
+    prefill kernel) or `direct` (one dense cache: the prefill kernel reads it in place);
+  - q dtypes: a call in a dtype no kernel of its backend takes (Q_DTYPES: the TileLang kernels are bf16
+    only) is a TypeError when it is planned, naming the way out; no other backend runs in its place.
 
 Conventions adapted here: every backend returns (out in q's dtype, lse fp32 in BASE 2); the Triton
 kernels produce natural-log lse (FlashMLA's contract), converted by one multiply. The max_logits calls
@@ -213,6 +215,10 @@ def decode_path(q_dtype: torch.dtype, device: torch.device, fp8_layout, has_extr
     cache's base and block stride are 16-byte aligned (the TileLang paged kernel reads rows by 16-byte
     cp.async; the layouts themselves need 4 bytes)."""
     backend, note = backend_for_heads(backend, h_q, "h_q")
+    if q_dtype not in Q_DTYPES[backend]:  # no kernel of the backend takes it: refused when planned, not at launch
+        extra = f" ({Q_DTYPE_NOTES[backend]})" if backend in Q_DTYPE_NOTES else ""
+        raise TypeError(f"q_dtype: expected {' or '.join(map(str, Q_DTYPES[backend]))} on the {backend} "
+                        f"backend{extra}, got {q_dtype}")
     if fp8_layout is None:
         buffer_kernel = _buffer_kernel(q_dtype, device, backend, h_q)
         if not has_extra:
@@ -224,8 +230,6 @@ def decode_path(q_dtype: torch.dtype, device: torch.device, fp8_layout, has_extr
     why = None
     if paged is None:
         why = f"backend {backend} has no paged fp8 kernel"
-    elif backend == "tilelang" and q_dtype != torch.bfloat16:
-        why = f"{paged} is bf16 only, q is {str(q_dtype).removeprefix('torch.')}"
     elif backend == "tilelang" and not caches_aligned16:
         why = f"{paged} needs 16-byte aligned cache bases and block strides"
     if why is None:
