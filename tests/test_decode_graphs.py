@@ -1,7 +1,7 @@
 """The decode step in static shapes, and its CUDA graphs.
 
-CPU: the batched decode formulation of the compressors equals the prefill one bit for bit in float32
-(engine.model.compressor: same entries, same state rows, over requests whose windows close at
+CPU: the batched decode formulation of the compressors equals the prefill one in float32
+(engine.model.compressor: the same entries up to fp32 rounding, the same state rows bit for bit, over requests whose windows close at
 different steps, with a padding row); the decode indexer keeps the same entries as prefill's top-k
 where more entries than index_topk are visible (inputs without ties), and breaks exact ties by entry
 id whatever the row's padded width; padding the batch and the entry tables further changes no token
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from engine.h20_ops.attention import dispatch
+from engine.h20_ops.testing import FP32_RELATIVE, assert_close
 from engine.kv_store import CompressorStates
 from engine.model import compressor, decode_metadata, tiny
 from engine.model.decode_metadata import DecodeKey, entry_width, padded_batch
@@ -44,10 +45,11 @@ def _cos_sin(positions):
 
 
 @pytest.mark.parametrize("ratio, overlap", [(4, True), (8, False)])
-def test_compressor_decode_steps_equal_prefill_bit_for_bit(engine_env, ratio, overlap):
+def test_compressor_decode_steps_equal_prefill(engine_env, ratio, overlap):
     """Requests prefilled with 1, 6 and 13 tokens then decoded 19 tokens each in one batch (plus a padding
-    row on the scratch row): every entry and the final state rows equal a prefill of the whole sequence,
-    bit for bit."""
+    row on the scratch row): every entry equals a prefill of the whole sequence up to float32 rounding (the
+    two reduce windows of other batch shapes, and torch's CPU reductions may order the sums differently by
+    shape: 1 ulp seen on the CI machine, 2026-12-02), the final state rows bit for bit."""
     engine_env(DEEPINFER_KERNELS="ref")
     head_dim, total_steps = 8, 19
     width = 2 * head_dim if overlap else head_dim
@@ -80,7 +82,7 @@ def test_compressor_decode_steps_equal_prefill_bit_for_bit(engine_env, ratio, ov
     for b in range(3):
         entries = torch.cat(got[b])
         assert entries.shape == expected[b].shape
-        assert torch.equal(entries, expected[b]), f"request {b}: entries differ by {(entries - expected[b]).abs().max()}"
+        assert_close(f"request {b} entries", entries, expected[b], FP32_RELATIVE)
         mine, ref = states.describe(b, lengths[b])[(0, "c")], reference.describe(b, lengths[b])[(0, "c")]
         assert torch.equal(mine["buffer"], ref["buffer"]) and mine["entries"] == ref["entries"]
         assert (mine["overlap"] is None) == (ref["overlap"] is None)

@@ -10,8 +10,9 @@ their caches. The state between calls (engine.kv_store.CompressorRows, one row p
 window's tokens at slot position % ratio and the previous complete window's first series.
 
 Two formulations, one per kind of step, with the same arithmetic per entry (pool: the same tensors
-through the same ops, so a decode step's entries equal prefill's bit for bit in float32 on the same
-inputs; tests/test_decode_graphs.py checks it):
+through the same ops, so a decode step's entries equal prefill's in float32 on the same inputs up to
+the summation order the backend picks for each batch shape: 1 ulp on one CPU; tests/test_decode_graphs.py
+checks it):
   prefill       one request's whole prompt at once, from an empty state: every complete window pooled;
                 the open window's tokens and the last complete window's first series are left in its row;
   decode_token  one token per request of a batch, static shapes (a CUDA graph captures it): each token
