@@ -16,24 +16,19 @@ mkdir -p "$logdir"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TILELANG_CACHE_DIR=/tmp/tilelang_cache
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PATH="/usr/local/cuda/bin:$PATH"
-# Each install runs once per machine (a marker file): several gpu_checks.sh may run side by side.
+# Each install runs once per machine (a marker file), so several gpu_checks.sh may run side by side.
+install_once() {  # install_once DIR CMD...: CMD unless DIR holds the marker; then DIR goes first on PYTHONPATH
+    local dir=$1; shift
+    [ -f "$dir/.installed" ] || { "$@" >>"$logdir/bundle.log" 2>&1 && touch "$dir/.installed"; }
+    [ -f "$dir/.installed" ] && export PYTHONPATH="$dir:$PYTHONPATH"
+}
 bundle=$(ls .tilelang_bundle/*.tar.xz 2>/dev/null | head -1)
-if [ -n "$bundle" ]; then
-    [ -f /tmp/tl/.installed ] || { bash scripts/tilelang_bundle.sh install "$bundle" /tmp/tl >>"$logdir/bundle.log" 2>&1 \
-        && touch /tmp/tl/.installed; }
-    [ -f /tmp/tl/.installed ] && export PYTHONPATH="/tmp/tl:$PYTHONPATH"
-fi
-if [ -f .flashmla/flash_mla_sm90_pkg.tar.xz ]; then
-    [ -f /tmp/fmla/.installed ] || { mkdir -p /tmp/fmla && tar -C /tmp/fmla -xJf .flashmla/flash_mla_sm90_pkg.tar.xz \
-        && touch /tmp/fmla/.installed; }
-    [ -f /tmp/fmla/.installed ] && export PYTHONPATH="/tmp/fmla:$PYTHONPATH"
-fi
+[ -n "$bundle" ] && install_once /tmp/tl bash scripts/tilelang_bundle.sh install "$bundle" /tmp/tl
+[ -f .flashmla/flash_mla_sm90_pkg.tar.xz ] && install_once /tmp/fmla \
+    bash -c 'mkdir -p /tmp/fmla && tar -C /tmp/fmla -xJf .flashmla/flash_mla_sm90_pkg.tar.xz'
 # Wheels carried in .wheels_e2e/ (e.g. a newer transformers for the bf16 oracle) shadow the image's.
-if ls .wheels_e2e/*.whl >/dev/null 2>&1; then
-    [ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-        .wheels_e2e/*.whl >>"$logdir/bundle.log" 2>&1 && touch /tmp/site/.installed; }
-    [ -f /tmp/site/.installed ] && export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
+ls .wheels_e2e/*.whl >/dev/null 2>&1 && install_once /tmp/site \
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels_e2e/*.whl
 flaggems=.whl/flaggems/flashmla_sparse.py
 summary=()
 step() {  # step NAME SECONDS CMD...

@@ -1,8 +1,8 @@
 """The decode step in static shapes, and its CUDA graphs.
 
 CPU: the batched decode formulation of the compressors equals the prefill one in float32
-(engine.model.compressor: the same entries up to fp32 rounding, the same state rows bit for bit, over requests whose windows close at
-different steps, with a padding row); the decode indexer keeps the same entries as prefill's top-k
+(engine.model.compressor: the same entries up to fp32 rounding, the same state rows bit for bit, over
+requests whose windows close at different steps, with a padding row); the decode indexer keeps the same entries as prefill's top-k
 where more entries than index_topk are visible (inputs without ties), and breaks exact ties by entry
 id whatever the row's padded width; padding the batch and the entry tables further changes no token
 and no logit beyond fp32 summation order; the shapes a key fixes (padded batch, entry widths) and the
