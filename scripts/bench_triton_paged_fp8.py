@@ -5,14 +5,19 @@ count, and prints one table. Self-contained (no FlashMLA import); a GPU is requi
 Shapes (s_q 2, every entry valid):
   V4 (kv_cache.MODEL1, 584 B/token): B in {2, 64, 74, 128, 148, 256}; cache0 = the sliding window, topk 128
     over 256-token pages (each request's last 128 tokens); cache1 = the compressed cache, extra topk 512
-    (h_q 64) or 1024 (h_q 128) over 64-token pages (distinct random entries of the request's 16384).
+    (h_q <= 64: V4-Flash and its tensor-parallel ranks) or 1024 (h_q 128), or --extra-topk, over 64-token
+    pages (distinct random entries of the request's 16384). Any h_q (--heads 8 16 32: a rank's share).
   V3.2 (kv_cache.V32, 656 B/token): B 128, h_q 128, one cache, topk 2048 over 64-token pages.
 Timing: the launch (and, with a split, the merge: engine/h20_ops/attention/merge.py `merge_splits`) captured
 in a CUDA graph; each replay follows an L2 flush (a 256 MB write) and is timed alone by CUDA events; the
 median of --reps replays. TFLOP/s by 2 * n * h_q * entries * (d_qk + 512).
+Check: every variant's out and lse against the case's first variant (the comparator of engine.h20_ops.testing,
+FlashMLA's decode tolerances; a split's stated floor); a mismatch prints `!` after its time and makes the exit
+status 1.
 
   python scripts/bench_triton_paged_fp8.py                 # every shape, the default config list, splits 1/2/4/8
   python scripts/bench_triton_paged_fp8.py --configs 64,8,2 32,8,3 --splits 1 4 --batches 128
+  python scripts/bench_triton_paged_fp8.py --heads 16 32 --configs 64,4,2 32,4,3 --no-v32   # few heads
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from engine.h20_ops import kv_cache  # noqa: E402
+from engine.h20_ops import testing as T  # noqa: E402
 from engine.h20_ops.attention import merge  # noqa: E402
 from engine.h20_ops.attention import triton_paged_fp8 as tpf  # noqa: E402
 
@@ -109,6 +115,8 @@ def main() -> int:
     parser.add_argument("--splits", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--batches", nargs="+", type=int, default=[2, 64, 74, 128, 148, 256])
     parser.add_argument("--heads", nargs="+", type=int, default=[64, 128])
+    parser.add_argument("--extra-topk", type=int, default=None,
+                        help="V4's compressed top-k (default: 512 for h_q <= 64, 1024 for h_q 128)")
     parser.add_argument("--s-q", type=int, default=2)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--no-v32", action="store_true", help="skip the V3.2 shape")
@@ -122,7 +130,7 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")
     cases = []
     for h_q in args.heads:
-        extra = 512 if h_q == 64 else 1024
+        extra = args.extra_topk or (512 if h_q <= 64 else 1024)
         for b in args.batches:
             cases.append((f"V4 h{h_q} W128+E{extra}", b, h_q, lambda b=b, h=h_q, e=extra: v4_case(b, h, e, args.s_q, gen)))
     if not args.no_v32:
@@ -131,8 +139,10 @@ def main() -> int:
         f"{'best ms':>10}{'TFLOP/s':>9}"
     print(header)
     print("-" * len(header))
+    ok = True
     for name, b, h_q, build in cases:
         inputs, entries = build()
+        first = None  # the case's first result: every other variant is checked against it
         q = inputs["q"]
         n, d_qk = q.shape[0], q.shape[2]
         flops = 2 * n * h_q * entries * (d_qk + 512)
@@ -150,18 +160,29 @@ def main() -> int:
                         out, lse = merge.merge_splits(out, lse, splits, None, q.dtype)
                     return out, lse
                 try:
+                    out, lse = step()
                     ms = time_graph(step, args.reps, flush)
                 except Exception as e:  # a config that does not compile (shared memory): say so, go on
                     row += f"{'fail':>11}"
                     print(f"# {name} B {b} {config} S {splits}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
                     continue
+                mark = " "
+                if first is None:
+                    first = (out, lse)
+                else:
+                    try:
+                        T.assert_close("out", out, first[0], T.out_tolerance(T.DECODE_OUT, out, split=True))
+                        T.assert_close("lse", lse, first[1], T.DECODE_LSE)
+                    except AssertionError as e:
+                        mark, ok = "!", False
+                        print(f"# {name} B {b} {config} S {splits}: MISMATCH {e}", file=sys.stderr)
                 best = min(best, ms)
-                row += f"{ms:>11.4f}"
+                row += f"{ms:>10.4f}{mark}"
             row += f"{best:>10.4f}{flops / best / 1e9:>9.1f}"
             print(row, flush=True)
-        del inputs
+        del inputs, first
         torch.cuda.empty_cache()
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -232,6 +232,21 @@ def test_automatic_split_choice():
     assert decode._choose_splits(33, 64, 640, cpu, paged) == 3
     assert decode._choose_splits(34, 64, 640, cpu, paged) == 1  # 34 programs x 4 SMs > 132
     assert decode._choose_splits(12, 128, 640, cpu, paged) == 3  # 24 programs: 99 // 24 = 4 -> 2 pairs -> 3 chunks
+    # two programs per SM (the Triton kernel's 16-head tiles): 264 slots, chunks fill at most all of them
+    assert decode._choose_splits(4, 16, 640, cpu, 1, 2) == 5
+    assert decode._choose_splits(128, 16, 640, cpu, 1, 2) == 2  # 264 // 128 = 2 chunks: B 64, s_q 2
+    assert decode._choose_splits(133, 16, 640, cpu, 1, 2) == 1  # 264 // 133 = 1: B 74 stays one wave
+    assert decode._choose_splits(265, 16, 640, cpu, 1, 2) == 1  # more programs than slots
+
+
+def test_few_head_triton_tiles_plan_their_split_by_slots():
+    """plan_sparse_decode hands the Triton kernel's programs per SM to the split choice: h_q 16 at 128
+    query rows splits in two, h_q 64 (one program per SM) does not."""
+    cache = kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, 2, 64, "cpu")
+    for h_q, splits in ((16, 2), (8, 2), (32, 1), (64, 1)):
+        plan = decode.plan_sparse_decode(cache, batch=64, s_q=2, h_q=h_q, topk=128, q_dtype=torch.bfloat16,
+                                         extra_cache=cache, extra_topk=512, backend="triton")
+        assert (plan.kernel, plan.splits) == ("triton_paged_fp8", splits), (h_q, plan)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,6 +53,11 @@ SPLIT_GRANULE = 128
 # fp8 kernel, whose single item takes longer, gains up to 32 programs and loses from 40 on.
 SPLIT_SMS_PER_PROGRAM = {"paged_fp8": 4, "gathered": 8, "direct": 8}
 SPLIT_MAX_SM_SHARE = 0.75
+# Kernels whose programs share an SM (the Triton paged fp8 kernel's 16-head tiles: two per SM) count slots,
+# SMs x programs per SM, instead: a split engages while every program has a slot, and its chunks fill at
+# most all the slots (one wave; a second wave costs more than the split gains). H200, 2026-12-03, h_q 16,
+# 640 entries, docs/lab/tp_heads.md: B 64 (128 rows) 2 chunks 0.060 ms vs 0.081 unsplit; B 74 with 2
+# chunks (296 programs) 0.103; B 128 unsplit 0.099 vs 0.109 with 2.
 LAYOUTS = (kv_cache.MODEL1, kv_cache.V32)
 
 
@@ -110,7 +115,9 @@ def plan_sparse_decode(cache: torch.Tensor, *, batch: int, s_q: int, h_q: int, t
     path, kernel = choice.kernel.split(": ")
     list_len = topk + extra_topk
     if num_splits is None:
-        splits = _choose_splits(batch * s_q, h_q, list_len, cache.device, SPLIT_SMS_PER_PROGRAM[path])
+        per_sm = _programs_per_sm(kernel, q_dtype, h_q, layout)
+        splits = _choose_splits(batch * s_q, h_q, list_len, cache.device,
+                                SPLIT_SMS_PER_PROGRAM[path] if per_sm == 1 else 1, per_sm)
     else:
         if isinstance(num_splits, bool) or not isinstance(num_splits, int):
             raise TypeError(f"num_splits: expected an int or None, got {type(num_splits).__name__}")
@@ -302,15 +309,27 @@ def _check_plan(plan: DecodePlan, batch, s_q, h_q, topk, extra_topk, main, name:
         raise ValueError(f"{name}: made for {fields} = {want}, called with {got}")
 
 
-def _choose_splits(n_rows: int, heads: int, list_len: int, device: torch.device, sms_per_program: int) -> int:
-    """Split only when every program has at least sms_per_program SMs; then the fewest chunks with the
-    fewest SPLIT_GRANULE-entry steps each such that all chunks fit in SPLIT_MAX_SM_SHARE of the SMs."""
-    sms = sm_count(device)
+def _programs_per_sm(kernel: str, q_dtype: torch.dtype, h_q: int, layout) -> int:
+    """Programs of the plan's kernel that one SM runs at once (1 but for the Triton paged fp8 kernel's
+    few-head configurations)."""
+    if kernel != "triton_paged_fp8":
+        return 1
+    from .triton_paged_fp8 import default_config, heads_per_tile
+
+    return default_config(q_dtype, heads_per_tile(h_q), layout).programs_per_sm
+
+
+def _choose_splits(n_rows: int, heads: int, list_len: int, device: torch.device, sms_per_program: int,
+                   programs_per_sm: int = 1) -> int:
+    """With slots = SMs x programs_per_sm: split only when every program has at least sms_per_program slots;
+    then the fewest chunks with the fewest SPLIT_GRANULE-entry steps each such that all chunks fit in
+    SPLIT_MAX_SM_SHARE of the SMs (one program per SM) or in the slots (programs sharing an SM)."""
+    slots = sm_count(device) * programs_per_sm
     programs = n_rows * -(-heads // HEADS_PER_PROGRAM)
-    if programs * sms_per_program > sms:
+    if programs * sms_per_program > slots:
         return 1
     steps = -(-list_len // SPLIT_GRANULE)
-    most = min(steps, int(sms * SPLIT_MAX_SM_SHARE) // programs)
+    most = min(steps, int(slots * (SPLIT_MAX_SM_SHARE if programs_per_sm == 1 else 1.0)) // programs)
     if most <= 1:
         return 1
     steps_per_chunk = -(-steps // most)

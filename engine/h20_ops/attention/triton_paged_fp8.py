@@ -94,17 +94,28 @@ class PagedFp8DecodeConfig:
     block_k: int  # entries per block (rows loaded and dequantized together)
     num_warps: int
     num_stages: int
+    # programs of this configuration one SM runs at once (shared memory, registers): the split planner
+    # counts SMs times this as the slots that the chunks of a split may fill (attention/decode.py)
+    programs_per_sm: int = 1
 
 
 def default_config(dtype: torch.dtype, heads_per_tile: int, layout: kv_cache.Fp8KvLayout) -> PagedFp8DecodeConfig:
-    """The fastest configuration measured on an H200 (docs/runs/2026-12-02_h200_bench_triton_paged_fp8_tl.log):
-    64-entry blocks, 8 warps, 3 stages (two row buffers in flight) for MODEL1; V32's RoPE tiles leave room for
-    2 stages only. float32 (validation mode) uses small blocks so that it fits shared memory; tiles of fewer
-    than 64 heads need only 4 warps for their accumulator."""
+    """The fastest configuration measured on an H200 (64 heads: docs/runs/2026-12-02_h200_bench_triton_paged_fp8_tl.log;
+    16 and 32: docs/runs/2026-12-03_h200_sweep_triton_paged_fp8_few_heads.log, MODEL1):
+    64 heads: 64-entry blocks, 8 warps, 3 stages (two row buffers in flight) for MODEL1; V32's RoPE tiles leave
+      room for 2 stages only;
+    32 heads: 64-entry blocks, 8 warps, 2 stages (3 stages do not fit shared memory; 4 warps spill the
+      [32, 512] accumulator: 2.3x slower);
+    16 heads (h_q <= 16): 32-entry blocks, 4 warps, 2 stages: ~70 KB of shared memory (MODEL1), so two
+      programs share an SM and their row loads overlap (1.5x the 64-entry 4-warp tile at B 128); two per
+      SM as measured: 296 programs (B 148, s_q 2) take 1.8x the time of 256 (a second wave).
+    float32 (validation mode) uses small blocks so that it fits shared memory."""
     if dtype == torch.float32:
         return PagedFp8DecodeConfig(block_k=16, num_warps=8, num_stages=1)
+    if heads_per_tile <= MIN_HEADS_PER_TILE:
+        return PagedFp8DecodeConfig(block_k=32, num_warps=4, num_stages=2, programs_per_sm=2)
     if heads_per_tile < MAX_HEADS_PER_TILE:
-        return PagedFp8DecodeConfig(block_k=64, num_warps=4, num_stages=2)
+        return PagedFp8DecodeConfig(block_k=64, num_warps=8, num_stages=2)
     return PagedFp8DecodeConfig(block_k=64, num_warps=8, num_stages=3 if layout is kv_cache.MODEL1 else 2)
 
 
