@@ -58,7 +58,8 @@ Speed (one H200, CUDA-graph replays after an L2 flush, scripts/bench_triton_page
 docs/runs/2026-12-02_h200_bench_triton_paged_fp8_tl.log; notes docs/lab/triton_paged_fp8.md): 180-230 TFLOP/s
 at B 64 / 128 / 256, 110-195 at B 74 / 148 (a partial second wave of programs). V3.2 B 128 h_q 128 topk 2048:
 0.638 ms, 229 TFLOP/s, about 0.56x FlashMLA's published 410 TFLOP/s for that shape; V4 h_q 64, 128 + 512
-entries, B 128: 0.114 ms. Each block costs ~3x its tensor-core time: the
+entries, B 128: 0.114 ms; h_q 16 (the 16-head tile, two programs per SM) 0.099 ms, h_q 32 0.135 ms
+(docs/lab/tp_heads.md). Each block costs ~3x its tensor-core time: the
 rows go global -> shared (cp.async) -> registers (conversion) -> shared (the wgmma operand) on the single
 instruction stream of each program, and the two head tiles of an h_q 128 row load and convert the same rows.
 
