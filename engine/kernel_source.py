@@ -1,8 +1,8 @@
 """Which implementation of each engine op runs: this package's own (native) or a kernel repository's (hub).
 
 The engine calls every routed op through `op(name)` (OPS: the attention entry points, the norms, RoPE,
-the fp8 KV-cache write and read). The table is resolved once per process, on the first call, from
-engine.config.kernel_source_settings():
+the fp8 KV-cache write and read, the hyper-connection). The table is resolved once per process, on the
+first call, from engine.config.kernel_source_settings():
 - DEEPINFER_KERNEL_SOURCE=native (default): engine.h20_ops / engine.ops. `kernels` is never imported.
 - hub: the repository DEEPINFER_KERNEL_REPO (a local path, or org/name@revision through
   DEEPINFER_KERNEL_LOCK and the offline cache) is verified and imported by engine.kernel_repo (every
@@ -37,12 +37,12 @@ from . import h20_ops as native_h20_ops
 log = logging.getLogger(__name__)
 
 OPS = ("sparse_mla_prefill", "plan_sparse_decode", "sparse_mla_decode", "rms_norm", "rope", "kv_quantize",
-       "kv_gather_dequant")
+       "kv_gather_dequant", "hyper_connection")
 _NATIVE = {"sparse_mla_prefill": native_h20_ops.sparse_mla_prefill,
            "plan_sparse_decode": native_h20_ops.plan_sparse_decode,
            "sparse_mla_decode": native_h20_ops.sparse_mla_decode,
            "rms_norm": native_ops.rms_norm, "rope": native_ops.rope, "kv_quantize": native_ops.kv_quantize,
-           "kv_gather_dequant": native_ops.kv_gather_dequant}
+           "kv_gather_dequant": native_ops.kv_gather_dequant, "hyper_connection": native_ops.hyper_connection}
 
 
 class KernelSourceError(RuntimeError):

@@ -18,6 +18,11 @@ Ops (each also named in fallback_counts()):
   kv_quantize / kv_gather_dequant: the fp8 KV cache's write and read, from engine.h20_ops.kv_cache.fp8
     (Triton kernels, ref = its torch reference; byte-identical by that module's contract, which
     requires finite inputs: an inf / NaN row is written differently by the two and not checked).
+  hyper_connection(hidden, mixes, scale, base, hc_eps, sinkhorn_iters) -> (post, comb, collapsed):
+    DeepSeek-V4's hyper-connection after its norm and projection (mixes = F.linear(rms_norm(streams), fn)):
+    the pre / post / comb weights, comb's Sinkhorn iterations and the collapse of the n streams by pre.
+    ref = transformers' DeepseekV4HyperConnection code (bit for bit); Triton: one launch, fp32 throughout,
+    collapsed rounded once to hidden's dtype (equal to ref up to fp32 summation order and that rounding).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from collections import Counter
 import torch
 
 from . import config
-from .h20_ops.platform import triton_interprets  # (importing the package sets TRITON_INTERPRET=1 without CUDA)
+# importing h20_ops sets TRITON_INTERPRET=1 without CUDA
+from .h20_ops.platform import require_interpretable_numpy, sm_count, triton_interprets
 
 log = logging.getLogger(__name__)
 
@@ -285,3 +291,159 @@ def kv_gather_dequant(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tenso
         return out
 
     return _dispatch("kv_gather_dequant", kv_cache.gather_dequant, ref, (cache, slots, out), cache, slots, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# hyper_connection
+
+_HC_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def hyper_connection(hidden: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                     hc_eps: float, sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' DeepseekV4HyperConnection after its norm and projection. hidden [T, n, D] (the n
+    streams, any strides); mixes [T, 2n + n*n] float32 (F.linear of the normed, flattened streams with fn); scale [3];
+    base [2n + n*n]. Returns (post [T, n] fp32, comb [T, n, n] fp32, collapsed [T, D] in hidden's dtype)."""
+    for name, t in (("hidden", hidden), ("mixes", mixes), ("scale", scale), ("base", base)):
+        _require_float_tensor(name, t)
+        if name == "mixes" and t.dtype != torch.float32:
+            raise TypeError(f"mixes: expected float32 (the fp32 projection), got {t.dtype}")
+        if t.dtype not in _HC_DTYPES:
+            raise TypeError(f"{name}: expected float32, bfloat16 or float16, got {t.dtype}")
+    if hidden.dim() != 3 or hidden.size(1) == 0 or hidden.size(2) == 0:
+        raise ValueError(f"hidden: expected [T, n, D] with n, D > 0, got shape {tuple(hidden.shape)}")
+    tokens, n = hidden.shape[:2]
+    width = (2 + n) * n
+    if mixes.shape != (tokens, width):
+        raise ValueError(f"mixes: expected shape [{tokens}, {width}] (T, 2n + n*n for hidden's n = {n}), "
+                         f"got {tuple(mixes.shape)}")
+    if scale.shape != (3,):
+        raise ValueError(f"scale: expected shape [3] (pre, post, comb), got {tuple(scale.shape)}")
+    if base.shape != (width,):
+        raise ValueError(f"base: expected shape [{width}] (2n + n*n for hidden's n = {n}), got {tuple(base.shape)}")
+    for name, t in (("mixes", mixes), ("scale", scale), ("base", base)):
+        if t.device != hidden.device:
+            raise ValueError(f"{name}: expected device {hidden.device} (same as hidden), got {t.device}")
+    if isinstance(hc_eps, bool) or not isinstance(hc_eps, (int, float)) or not 0 <= hc_eps < float("inf"):
+        raise ValueError(f"hc_eps: expected a finite float >= 0, got {hc_eps!r}")
+    if isinstance(sinkhorn_iters, bool) or not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
+        raise ValueError(f"sinkhorn_iters: expected an int >= 1, got {sinkhorn_iters!r}")
+    return _dispatch("hyper_connection", _hyper_connection_triton, _hyper_connection_ref,
+                     (hidden, mixes, scale, base), hidden, mixes, scale, base, float(hc_eps), sinkhorn_iters)
+
+
+def _hyper_connection_ref(hidden, mixes, scale, base, hc_eps, sinkhorn_iters):
+    n = hidden.size(1)
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre_scale, post_scale, comb_scale = scale.unbind(0)
+    pre = torch.sigmoid(pre_w * pre_scale + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * post_scale + post_b)
+    # view(T, ...), not view(-1, ...): the latter refuses T == 0
+    comb = torch.softmax(comb_w.view(comb_w.size(0), n, n) * comb_scale + comb_b.view(n, n), dim=-1) + hc_eps
+    # Sinkhorn-Knopp towards a doubly-stochastic mixing matrix (columns first, as the reference).
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    collapsed = (pre.unsqueeze(-1) * hidden).sum(dim=1).to(hidden.dtype)
+    return post, comb, collapsed
+
+
+if triton is not None:
+
+    # The hyper-connection after its projection, in one launch. Program (r, s) takes BLOCK_T rows (tokens):
+    # from each row's mixes it computes pre, post and comb (softmax, then the Sinkhorn loop) in fp32
+    # registers, as [BLOCK_T, N_P2] and [BLOCK_T, N_P2, N_P2] tiles masked to the n streams; program s == 0
+    # writes post and comb. Then it collapses the streams over its slice of D (`chunks` BLOCK_D-wide
+    # chunks from column s * chunks * BLOCK_D).
+    # Numerics: fp32 throughout (scale and base read as fp32, as transformers' fp32 mixes promote them),
+    # products and sums of the collapse in fp32, collapsed rounded once to hidden's dtype; equal to the
+    # ref up to exp / sigmoid / division ulps and the order of the sums.
+    # Constraints: mixes fp32 with unit last stride, base contiguous (the wrapper copies otherwise);
+    # hidden any strides; n is a constexpr (one compile per n), any value: padded streams hold 0 in pre
+    # and comb and never enter a max or a sum (their denominators are 1), so hc_eps may be 0. The D
+    # split gives a small decode batch more programs than its row blocks; each split recomputes the
+    # (cheap) weights.
+    @triton.jit
+    def _hyper_connection_kernel(hidden_ptr, mixes_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, out_ptr,
+                                 n_rows, dim, stride_ht, stride_hn, stride_hd, stride_mt, stride_scale,
+                                 hc_eps, sinkhorn_iters, chunks, n: tl.constexpr, N_P2: tl.constexpr,
+                                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # 64-bit row offsets
+        row_mask = rows < n_rows
+        writes_weights = tl.program_id(1) == 0
+        streams = tl.arange(0, N_P2)
+        stream_ok = streams < n
+        mask2 = row_mask[:, None] & stream_ok[None, :]
+        mix_rows = mixes_ptr + rows[:, None] * stride_mt  # [BLOCK_T, 1]
+        pre_scale = tl.load(scale_ptr).to(tl.float32)
+        post_scale = tl.load(scale_ptr + stride_scale).to(tl.float32)
+        comb_scale = tl.load(scale_ptr + 2 * stride_scale).to(tl.float32)
+
+        pre_w = tl.load(mix_rows + streams[None, :], mask=mask2, other=0.0)
+        pre_b = tl.load(base_ptr + streams, mask=stream_ok, other=0.0).to(tl.float32)
+        pre = tl.where(mask2, tl.sigmoid(pre_w * pre_scale + pre_b[None, :]) + hc_eps, 0.0)
+        post_w = tl.load(mix_rows + n + streams[None, :], mask=mask2, other=0.0)
+        post_b = tl.load(base_ptr + n + streams, mask=stream_ok, other=0.0).to(tl.float32)
+        post = 2 * tl.sigmoid(post_w * post_scale + post_b[None, :])
+        tl.store(post_ptr + rows[:, None] * n + streams[None, :], post, mask=mask2 & writes_weights)
+
+        i = streams[None, :, None]
+        j = streams[None, None, :]
+        valid = (i < n) & (j < n)  # [1, N_P2, N_P2]
+        entry = i * n + j
+        comb_mask = row_mask[:, None, None] & valid
+        logits = tl.load(mix_rows[:, :, None] + 2 * n + entry, mask=comb_mask, other=0.0) * comb_scale
+        logits += tl.load(base_ptr + 2 * n + entry, mask=valid, other=0.0).to(tl.float32)
+        # -inf beside a real row's entries (exp gives 0); 0 in padded rows, which are zeroed below
+        logits = tl.where(valid, logits, tl.where(i < n, float("-inf"), 0.0))
+        e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
+        e = tl.where(valid, e, 0.0)
+        row_ok = stream_ok[None, :]  # [1, N_P2]: row i (axis 1) or column j (axis 2) is a real stream
+        comb = tl.where(valid, e / tl.where(row_ok, tl.sum(e, axis=2), 1.0)[:, :, None] + hc_eps, 0.0)
+        comb = comb / tl.where(row_ok, tl.sum(comb, axis=1) + hc_eps, 1.0)[:, None, :]
+        for _ in range(1, sinkhorn_iters):
+            comb = comb / tl.where(row_ok, tl.sum(comb, axis=2) + hc_eps, 1.0)[:, :, None]
+            comb = comb / tl.where(row_ok, tl.sum(comb, axis=1) + hc_eps, 1.0)[:, None, :]
+        tl.store(comb_ptr + rows[:, None, None] * (n * n) + entry, comb, mask=comb_mask & writes_weights)
+
+        # 64-bit stream and column offsets too: a strided view's strides can be large
+        h_rows = hidden_ptr + rows[:, None, None] * stride_ht + streams.to(tl.int64)[None, :, None] * stride_hn
+        first = tl.program_id(1) * chunks * BLOCK_D
+        for c in range(0, chunks):
+            cols = first + c * BLOCK_D + tl.arange(0, BLOCK_D)
+            col_ok = cols < dim
+            h = tl.load(h_rows + cols.to(tl.int64)[None, None, :] * stride_hd,
+                        mask=mask2[:, :, None] & col_ok[None, None, :], other=0.0).to(tl.float32)
+            collapsed = tl.sum(pre[:, :, None] * h, axis=1)
+            tl.store(out_ptr + rows[:, None] * dim + cols[None, :], collapsed.to(out_ptr.dtype.element_ty),
+                     mask=row_mask[:, None] & col_ok[None, :])
+
+
+def _hyper_connection_triton(hidden, mixes, scale, base, hc_eps, sinkhorn_iters):
+    tokens, n, dim = hidden.shape
+    post = torch.empty((tokens, n), dtype=torch.float32, device=hidden.device)
+    comb = torch.empty((tokens, n, n), dtype=torch.float32, device=hidden.device)
+    collapsed = torch.empty((tokens, dim), dtype=hidden.dtype, device=hidden.device)
+    if tokens == 0:
+        return post, comb, collapsed
+    mixes = mixes if mixes.stride(-1) == 1 else mixes.contiguous()
+    base = base if base.stride(0) == 1 else base.contiguous()
+    n_p2 = max(2, triton.next_power_of_2(n))
+    block_d = min(triton.next_power_of_2(dim), 1024 if triton_interprets() else 256)
+    block_t = max(1, min(_elements_per_program() // (n_p2 * block_d), triton.next_power_of_2(tokens)))
+    row_blocks = triton.cdiv(tokens, block_t)
+    all_chunks = triton.cdiv(dim, block_d)
+    # D split: about two programs per SM for a small batch (the interpreter's 1024-wide chunks keep it at
+    # one or two there)
+    splits = max(1, min(all_chunks, 2 * sm_count(hidden.device) // row_blocks))
+    chunks = triton.cdiv(all_chunks, splits)
+    grid = (row_blocks, triton.cdiv(all_chunks, chunks))
+    if triton_interprets():
+        require_interpretable_numpy("_hyper_connection_kernel")  # its loops have runtime bounds
+    _hyper_connection_kernel[grid](hidden, mixes, scale, base, post, comb, collapsed, tokens, dim,
+                                   hidden.stride(0), hidden.stride(1), hidden.stride(2), mixes.stride(0),
+                                   scale.stride(0), hc_eps, sinkhorn_iters, chunks, n=n, N_P2=n_p2,
+                                   BLOCK_T=block_t, BLOCK_D=block_d)
+    return post, comb, collapsed

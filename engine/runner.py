@@ -228,6 +228,7 @@ class Engine:
                            decode_tokens=0, decode_seconds=0.0, decode_steps=0, generated_tokens=0)
         self._spec_stats = dict(draft_seconds=0.0, draft_tokens=0, accepted_tokens=0)
         self._sampled = False  # a sampling.sample launch ran (stats() then names its backend)
+        self._prepared = None  # (batch, seqs, DecodeInputs): the next decode step's, built ahead
 
     # -- KV stores --------------------------------------------------------------------------
     def _store_pages(self, max_len: int) -> dict[str, int]:
@@ -342,6 +343,7 @@ class Engine:
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Completions (greedy or sampled, per request), in the order of `requests`."""
         self._check_requests(requests)
+        self._prepared = None  # metadata prepared in an earlier call points at pages given back since
         waiting = deque(requests)
         running: list[_Active] = []
         finished: dict[str, Completion] = {}
@@ -396,17 +398,18 @@ class Engine:
                     top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device))
 
     def _select(self, batch: list[_Active], logits: torch.Tensor, positions: list[int], *,
-                draw: int = sampling.DRAW_SAMPLE) -> list[int]:
-        """One token per row of logits [B, vocab] (row b: batch[b]) in one launch: sampling.sample
-        when any request samples (its greedy rows take the first argmax); an all-greedy batch takes
-        greedy_sample with NextN (the verifier's greedy rule) and torch's argmax without (no kernel)."""
+                draw: int = sampling.DRAW_SAMPLE) -> torch.Tensor:
+        """One token per row of logits [B, vocab] (row b: batch[b]) in one launch, left on logits' device
+        (reading them back is the caller's sync): sampling.sample when any request samples (its greedy rows
+        take the first argmax); an all-greedy batch takes greedy_sample with NextN (the verifier's greedy
+        rule) and torch's argmax without."""
         if not all(a.request.sampling.greedy for a in batch):
             self._sampled = True
             return sampling.sample(logits, **self._sampling_tensors(batch, positions, logits.device), draw=draw,
-                                       backend=self.sample_backend).tolist()
+                                   backend=self.sample_backend)
         if self.nextn:
-            return sampling.greedy_sample(logits, backend=self.sample_backend).tolist()
-        return logits.argmax(dim=-1).tolist()
+            return sampling.greedy_sample(logits, backend=self.sample_backend)
+        return logits.argmax(dim=-1)
 
     def _release_window_rows(self, active: _Active, *, nextn: bool = True) -> None:
         """Rows older than the next query's window are never read again. nextn=False keeps the NextN
@@ -417,17 +420,27 @@ class Engine:
             self.nextn_window.release_rows_before(active.state.rid, first_needed)
 
     def _step(self, batch: list[_Active], tokens: list[list[int]], *, prefill: bool) -> None:
-        seqs = self._seq_steps(batch, [len(t) for t in tokens], [a.state.length for a in batch])
+        """One prefill (tokens: the prompts) or plain decode step (tokens: each request's last token). The
+        host's share of a decode step overlaps the GPU's: once the forward and the token choice are
+        launched, the requests' lengths advance, their old window rows are released and the next step's
+        metadata is built (_prepare_next_decode) before the chosen tokens are read back."""
+        prepared = None if prefill else self._take_prepared(batch)
+        seqs = (self._seq_steps(batch, [len(t) for t in tokens], [a.state.length for a in batch])
+                if prepared is None else prepared[0])
         if prefill:
             input_ids, positions = self._inputs(seqs, tokens)
             logits, hidden = self.runtime.prefill(input_ids, positions, seqs, all_hidden=self.nextn)
         else:
-            logits, hidden = self.runtime.decode(self._host_ids(tokens), seqs)
+            logits, hidden = self.runtime.decode(self._host_ids(tokens), seqs,
+                                                 inputs=None if prepared is None else prepared[1])
         # each request's new token is the one at index start + length of its sequence
-        next_tokens = self._select(batch, logits, [s.start + s.length for s in seqs])
-        for active, seq, row, token in zip(batch, seqs, logits.cpu(), next_tokens):
+        chosen = self._select(batch, logits, [s.start + s.length for s in seqs])
+        for active, seq in zip(batch, seqs):
             active.state.length += seq.length
             self._release_window_rows(active)
+        if not prefill:
+            self._prepare_next_decode(batch)
+        for active, row, token in zip(batch, logits.cpu(), chosen.tolist()):
             forced = active.request.forced_output_ids
             active.output_ids.append(int(token) if forced is None else forced[len(active.output_ids)])
             active.logits.append(row)
@@ -435,6 +448,28 @@ class Engine:
             start = time.perf_counter()
             self._draft_after_prefill(batch, seqs, hidden)
             self._spec_stats["draft_seconds"] += time.perf_counter() - start
+
+    def _prepare_next_decode(self, batch: list[_Active]) -> None:
+        """Build the next decode step's metadata now, while the GPU computes this one, when the batch is
+        known to decode again unchanged: no request emits its last token in this step (requests end only
+        at max_new_tokens). The tokens that step takes are set when it runs. A batch that changes anyway
+        (an admission: a prefill comes first) rebuilds it (_take_prepared)."""
+        self._prepared = None
+        if all(len(a.output_ids) + 1 < a.request.max_new_tokens for a in batch):
+            seqs = self._seq_steps(batch, [1] * len(batch), [a.state.length for a in batch])
+            self._prepared = (list(batch), seqs, self.runtime.prepare_decode(seqs))
+
+    def _take_prepared(self, batch: list[_Active]) -> tuple[list[SeqStep], object] | None:
+        """(seqs, metadata) that _prepare_next_decode built for exactly this batch (the same requests in the
+        same order, none advanced since), or None."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is None:
+            return None
+        ahead, seqs, inputs = prepared
+        if len(ahead) != len(batch) or any(a is not b or a.state.length != s.start
+                                           for a, b, s in zip(ahead, batch, seqs)):
+            return None
+        return seqs, inputs
 
     def _prefill(self, batch: list[_Active]) -> None:
         start = time.perf_counter()
@@ -484,7 +519,7 @@ class Engine:
 
         def draft(logits: torch.Tensor, j: int) -> list[int]:
             return self._select(batch, logits, [k * (a.state.length + 1) + j for a in batch],
-                                draw=sampling.DRAW_DRAFT)
+                                draw=sampling.DRAW_DRAFT).tolist()
 
         drafts, draft_logits = [draft(logits, 0)], [logits]
         for j in range(1, k):

@@ -40,7 +40,7 @@ REPO_ID, REVISION = "deepinfer/sparse-mla", f"v{VERSION}"  # how LOCAL_KERNELS /
 VARIANTS = {"torch-cpu": "cpu", "torch-cuda": "cuda"}
 # kernels requires a license string; the project states none, so the SPDX term for "not stated"
 LICENSE = "NOASSERTION"
-OPS = ("kv_gather_dequant", "kv_quantize", "rms_norm", "rope")  # engine/ops.py's ops
+OPS = ("hyper_connection", "kv_gather_dequant", "kv_quantize", "rms_norm", "rope")  # engine/ops.py's ops
 COPIED = ("config.py", "ops.py")
 COPIED_TREES = ("h20_ops", "integrations")
 
@@ -70,7 +70,8 @@ def package_init(engine: Path) -> str:
     if duplicates:
         raise SystemExit(f"build_kernel_repo: names exported twice: {', '.join(duplicates)}")
     lines = [f'"""{NAME}: the kernels of the `engine` package (sparse MLA attention for DeepSeek-V4-class models',
-             'on Hopper, FlashMLA\'s sparse interface, norms, RoPE, the fp8 KV cache) as a kernel repository.',
+             'on Hopper, FlashMLA\'s sparse interface, norms, RoPE, the fp8 KV cache, the hyper-connection) as a',
+             'kernel repository.',
              'Built by scripts/build_kernel_repo.py; `layers` (kernel layers for transformers) loads on first use."""',
              ""]
     for module, ns in exports:

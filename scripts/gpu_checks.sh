@@ -5,7 +5,7 @@
 #   bash scripts/gpu_checks.sh LOGDIR STEP [STEP...]
 # steps: compile tests tests-no-tilelang engine memcheck ab bench sweep decode flashmla tp-heads gather
 #        e2e e2e-rank-per-gpu e2e-fp8 e2e-fp32 e2e-nextn e2e-sampled long-context sample e2e-hub
-#        step-profile hf
+#        step-profile step-profile-compare prefill-compare hf
 # A TileLang bundle at .tilelang_bundle/*.tar.xz (scripts/tilelang_bundle.sh) is installed first; the
 # built FlashMLA package at .flashmla/flash_mla_sm90_pkg.tar.xz (the peer scripts/bench_flash_mla.py
 # measures against) is unpacked and put on the path.
@@ -98,6 +98,14 @@ for s in "$@"; do
                 --json "$logdir/e2e_sampled.json" ;;
         sample) step ab_fused_sample 450 python3 scripts/ab_fused_sample.py ;;
         step-profile) step engine_step_profile 500 python3 scripts/engine_step_profile.py ;;  # eager vs CUDA graphs
+        # the same and, eager, the checkout in .compare_tree/ (e.g. `git archive ab6d1b8 engine scripts | tar -x`)
+        step-profile-compare) step engine_step_profile_compare 560 python3 scripts/engine_step_profile.py \
+                --compare-tree .compare_tree ;;
+        # the prefill kernels of this checkout and of .compare_tree/, each through its own bench_sparse_mla.py
+        prefill-compare) rest=$(tr ':' '\n' <<<"$PYTHONPATH" | grep -vx "$PWD" | paste -sd:)
+            for t in "$PWD" "$PWD/.compare_tree"; do
+                step "bench_prefill_$(basename "$t")" 240 env PYTHONPATH="$t:$rest" \
+                    python3 "$t/scripts/bench_sparse_mla.py" --shapes v4flash512,v4pro,v32 --flaggems-file none; done ;;
         # the transformers integration (needs transformers 5.21.1 + kernels 0.17.2: wheels in .wheels_e2e/)
         hf) step hf_integration_bench 500 python3 scripts/hf_integration_bench.py --json "$logdir/hf.json" ;;
         # the report with the hub kernel source: this checkout's kernels built as a kernel repository, put

@@ -115,7 +115,7 @@ def test_build_writes_noarch_variants_with_digests(repo, kernels_lib, tmp_path):
         (ROOT / "engine" / "h20_ops" / "attention" / "dispatch.py").read_bytes()
     exported = set(builder.literal_all(pkg / "__init__.py"))
     assert set(builder.literal_all(ROOT / "engine" / "h20_ops" / "__init__.py")) <= exported
-    assert {"rms_norm", "rope", "kv_quantize", "kv_gather_dequant"} <= exported
+    assert {"rms_norm", "rope", "kv_quantize", "kv_gather_dequant", "hyper_connection"} <= exported
     if (ROOT / "engine" / "h20_ops" / "flash_mla.py").is_file():
         assert FLASH_MLA_NAMES <= exported
     assert "RMSNorm" in builder.literal_all(pkg / "layers.py")
@@ -271,6 +271,10 @@ def test_hub_ops_equal_the_native_ones_bit_for_bit(repo, monkeypatch):
     cos, sin = normal_inputs(gen, 5, 32), normal_inputs(gen, 5, 32)
     assert torch.equal(kernel_source.op("rms_norm")(x, w, 1e-6), native_ops.rms_norm(x, w, 1e-6))
     assert torch.equal(kernel_source.op("rope")(x, cos, sin), native_ops.rope(x, cos, sin))
+    hc_args = (normal_inputs(gen, 5, 4, 128).bfloat16(), normal_inputs(gen, 5, 24, scale=2.0),
+               normal_inputs(gen, 3) + 1, normal_inputs(gen, 24, scale=1.0), 1e-6, 20)
+    hc_hub, hc_native = kernel_source.op("hyper_connection")(*hc_args), native_ops.hyper_connection(*hc_args)
+    assert all(torch.equal(a, b) for a, b in zip(hc_hub, hc_native))
     rows = normal_inputs(gen, 4, 1, 512)
     slots = torch.tensor([3, -1, 0, 9], dtype=torch.int64)
     caches = [kv_cache.new_fp8_kv_cache(kv_cache.MODEL1, 2, 8, "cpu") for _ in range(2)]

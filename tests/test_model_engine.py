@@ -603,3 +603,36 @@ def test_decode_metadata_is_built_once_per_step_and_the_device_forward_copies_no
     decode_steps = engine.stats()["decode_steps"]
     assert decode_steps == new_tokens - 1 and builds == [len(names)] * decode_steps
     assert attention_calls == list(range(layers)) * decode_steps
+
+
+def test_next_decode_metadata_is_built_while_the_step_runs(checkpoint, prompts, engine_env, monkeypatch):
+    """The host's share of a decode step overlaps the GPU's: step n + 1's metadata is built (without its token
+    ids) after step n is launched and before step n's tokens are read back, except where the batch will
+    change (a request emits its last token in step n: the next step builds its own). Tokens are unchanged."""
+    from engine.model import deepseek_v4
+
+    engine_env()
+    events = []
+    real_build, real_tolist = deepseek_v4.build_decode_inputs, torch.Tensor.tolist
+
+    def recording_build(runtime, seqs, input_ids):
+        events.append(("build", len(seqs), "ahead" if input_ids is None else "now"))
+        return real_build(runtime, seqs, input_ids)
+
+    def recording_tolist(self):
+        events.append(("read",))
+        return real_tolist(self)
+
+    engine = Engine(checkpoint)
+    requests = [Request("long", prompts["long"][0], 4), Request("short", prompts["short"][0], 3)]
+    expected = [c.output_ids for c in engine.generate(requests)]
+    monkeypatch.setattr(deepseek_v4, "build_decode_inputs", recording_build)
+    monkeypatch.setattr(torch.Tensor, "tolist", recording_tolist)
+    got = [c.output_ids for c in engine.generate(requests)]
+    monkeypatch.undo()
+    assert got == expected
+    decode = events[events.index(("build", 2, "now")):]  # from the first decode step on (the prefill's read before)
+    assert decode == [("build", 2, "now"), ("build", 2, "ahead"), ("read",),  # step 1 prepares step 2
+                      ("read",),  # step 2: "short" emits its 3rd and last token, nothing prepared
+                      ("build", 1, "now"), ("read",)], decode  # step 3: "long" alone, its last token
+    assert engine._prepared is None

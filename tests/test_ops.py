@@ -1,14 +1,19 @@
 """engine.ops: Triton and ref implementations against transformers' DeepSeek-V4 modules, selection by
 DEEPINFER_KERNELS, fallback counting and DEEPINFER_OPS_STRICT."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4RMSNorm, DeepseekV4UnweightedRMSNorm,
-                                                                    apply_rotary_pos_emb)
+import torch.nn.functional as F
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4HyperConnection, DeepseekV4RMSNorm,
+                                                                    DeepseekV4UnweightedRMSNorm, apply_rotary_pos_emb)
 from triton.runtime.errors import InterpreterError
 
 from engine import ops
 from engine.h20_ops import kv_cache
+from engine.model.deepseek_v4 import DeepseekV4Runtime
+from engine.model.tiny import tiny_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -124,9 +129,11 @@ def test_kernels_ref_never_calls_triton(monkeypatch):
 
     monkeypatch.setattr(ops, "_rms_norm_triton", boom)
     monkeypatch.setattr(ops, "_rope_triton", boom)
+    monkeypatch.setattr(ops, "_hyper_connection_triton", boom)
     x = torch.randn(4, 8, 128)
     ops.rms_norm(x)
     ops.rope(x, torch.randn(4, 32), torch.randn(4, 32))
+    ops.hyper_connection(torch.randn(4, 4, 64), torch.randn(4, 24), torch.rand(3), torch.randn(24), 1e-6, 20)
     assert ops.fallback_counts() == {}
 
 
@@ -154,7 +161,9 @@ def test_fallback_counted_per_op(monkeypatch):
     torch.testing.assert_close(out, ops._rms_norm_ref(x, None, 1e-6))
     ops.rms_norm(x, torch.ones(128, device=DEVICE))
     ops.rope(x, cos, sin)
-    assert ops.fallback_counts() == {"rms_norm": 2, "rope": 1}
+    ops.hyper_connection(x, torch.randn(3, 24, device=DEVICE), torch.rand(3, device=DEVICE),
+                         torch.randn(24, device=DEVICE), 1e-6, 2)
+    assert ops.fallback_counts() == {"rms_norm": 2, "rope": 1, "hyper_connection": 1}
     ops.reset_fallback_counts()
     assert ops.fallback_counts() == {}
 
@@ -212,3 +221,156 @@ def test_kv_quant_ops_match_between_implementations(monkeypatch):
     err = (rows["ref"][0, :-1] - kv[:-1]).abs()
     assert float(err.max()) <= float(kv.abs().max()) / 8, "fp8 round trip beyond e4m3's relative step"
     assert ops.fallback_counts() == {}
+
+
+# ----------------------------------------------------------------------------------------------
+# hyper_connection
+
+def _hf_hyper_connection(n, dim, seed, **config):
+    """transformers' DeepseekV4HyperConnection for n streams of width dim, random parameters at a scale that
+    gives comb logits of a few units (softmax neither flat nor one-hot)."""
+    module = DeepseekV4HyperConnection(tiny_config(hc_mult=n, hidden_size=dim, **config))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        module.fn.copy_(torch.randn(module.fn.shape, generator=g) * 2 / (n * dim) ** 0.5)
+        module.base.copy_(torch.randn(module.base.shape, generator=g))
+        module.scale.copy_(torch.rand(3, generator=g) * 2 + 0.25)
+    return module.to(DEVICE)
+
+
+def _hc_mixes(module, hidden):
+    """The op's mixes input exactly as transformers computes it (its norm, then the fp32 projection)."""
+    return F.linear(module.input_norm(hidden.reshape(hidden.size(0), -1).float()), module.fn.float())
+
+
+def _hc_args(module, hidden):
+    return (hidden, _hc_mixes(module, hidden), module.scale.detach(), module.base.detach(), module.hc_eps,
+            module.hc_sinkhorn_iters)
+
+
+def _assert_hc_close(out, expected, dtype):
+    post, comb, collapsed = out
+    # fp32 weights: the same formulas, exp / sigmoid and the 20 Sinkhorn divisions a few fp32 ulps apart
+    torch.testing.assert_close(post, expected[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(comb, expected[1], atol=1e-6, rtol=1e-5)
+    if dtype == torch.float32:
+        # sums of n unit-scale products in another order; atol for the rows that cancel
+        torch.testing.assert_close(collapsed, expected[2], atol=1e-5, rtol=1e-5)
+    else:
+        # one bf16 step (2^-7 of the value): the interpreter truncates fp32 -> bf16 where torch rounds
+        torch.testing.assert_close(collapsed.float(), expected[2].float(), atol=1e-5, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [4, 3])
+# 37 x 1500: several row blocks, the last partial, and D in two programs' slices (the second partial)
+@pytest.mark.parametrize("tokens, dim", [(1, 256), (37, 1500)])
+def test_hyper_connection_matches_transformers(dtype, n, tokens, dim):
+    module = _hf_hyper_connection(n, dim, seed=n * 1000 + tokens)
+    g = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, n, dim, generator=g).to(dtype).to(DEVICE)
+    with torch.no_grad():
+        post, comb, collapsed = module(hidden[None])
+        expected = post[0], comb[0], collapsed[0]
+        args = _hc_args(module, hidden)
+        ref = ops._hyper_connection_ref(*args)
+        out = ops.hyper_connection(*args)
+    for got, want in zip(ref, expected):
+        assert got.dtype == want.dtype and torch.equal(got, want), "ref must reproduce transformers bit for bit"
+    assert [t.shape for t in out] == [(tokens, n), (tokens, n, n), (tokens, dim)]
+    assert [t.dtype for t in out] == [torch.float32, torch.float32, dtype]
+    _assert_hc_close(out, expected, dtype)
+    assert ops.fallback_counts() == {}
+
+
+def test_hyper_connection_low_precision_parameters():
+    """scale and base in half precision are read as their fp32 values, as transformers' fp32 mixes promote them."""
+    module = _hf_hyper_connection(4, 128, seed=7)
+    module.base.data = module.base.data.bfloat16()
+    module.scale.data = module.scale.data.half()
+    hidden = torch.randn(9, 4, 128, generator=torch.Generator().manual_seed(7)).bfloat16().to(DEVICE)
+    with torch.no_grad():
+        expected = [t[0] for t in module(hidden[None])]
+        args = _hc_args(module, hidden)
+        assert all(torch.equal(a, b) for a, b in zip(ops._hyper_connection_ref(*args), expected))
+        _assert_hc_close(ops.hyper_connection(*args), expected, torch.bfloat16)
+    assert ops.fallback_counts() == {}
+
+
+@pytest.mark.parametrize("iters", [1, 2])
+def test_hyper_connection_one_or_two_sinkhorn_iterations_and_zero_eps(iters):
+    """hc_eps 0 with a padded stream count (3 of 4): padded entries must stay out of every sum."""
+    module = _hf_hyper_connection(3, 128, seed=iters, hc_eps=0.0, hc_sinkhorn_iters=iters)
+    hidden = torch.randn(5, 3, 128, generator=torch.Generator().manual_seed(iters)).to(DEVICE)
+    with torch.no_grad():
+        expected = [t[0] for t in module(hidden[None])]
+        args = _hc_args(module, hidden)
+        assert args[4:] == (0.0, iters)
+        assert all(torch.equal(a, b) for a, b in zip(ops._hyper_connection_ref(*args), expected))
+        _assert_hc_close(ops.hyper_connection(*args), expected, torch.float32)
+    assert ops.fallback_counts() == {}
+
+
+def test_hyper_connection_strided_inputs():
+    module = _hf_hyper_connection(4, 256, seed=3)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(4, 5, 2 * 256, generator=g).to(DEVICE).transpose(0, 1)[..., ::2]  # every stride odd
+    mixes = torch.randn(5, 2 * 24, generator=g).to(DEVICE)[:, 24:]
+    base = torch.randn(24, 2, generator=g).to(DEVICE)[:, 1]
+    scale = module.scale.detach()
+    out = ops.hyper_connection(hidden, mixes, scale, base, 1e-6, 20)
+    expected = ops._hyper_connection_ref(hidden.contiguous(), mixes.contiguous(), scale, base.contiguous(), 1e-6, 20)
+    _assert_hc_close(out, expected, torch.float32)
+    assert ops.fallback_counts() == {}
+
+
+@pytest.mark.parametrize("impl", ["triton", "ref"])
+def test_hyper_connection_zero_tokens(impl, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_KERNELS", impl)
+    hidden = torch.empty(0, 3, 64, dtype=torch.bfloat16, device=DEVICE)
+    post, comb, collapsed = ops.hyper_connection(hidden, torch.empty(0, 15, device=DEVICE),
+                                                 torch.rand(3, device=DEVICE), torch.randn(15, device=DEVICE), 1e-6, 20)
+    assert (post.shape, comb.shape, collapsed.shape) == ((0, 3), (0, 3, 3), (0, 64))
+    assert (post.dtype, comb.dtype, collapsed.dtype) == (torch.float32, torch.float32, torch.bfloat16)
+    assert ops.fallback_counts() == {}
+
+
+def test_engine_hyper_connection_under_ref_is_transformers_bit_for_bit(monkeypatch):
+    """DEEPINFER_KERNELS=ref: the engine's call site (its rms_norm op, the projection, the op) computes what
+    transformers' module does, bit for bit, as the torch code it replaced did."""
+    monkeypatch.setenv("DEEPINFER_KERNELS", "ref")
+    module = _hf_hyper_connection(4, 256, seed=11)
+    hidden = torch.randn(6, 4, 256, generator=torch.Generator().manual_seed(11)).bfloat16().to(DEVICE)
+    runtime = SimpleNamespace(eps=module.input_norm.eps)
+    with torch.no_grad():
+        expected = [t[0] for t in module(hidden[None])]
+        got = DeepseekV4Runtime._hyper_connection(runtime, module, hidden)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_hyper_connection_bad_arguments_name_the_argument():
+    hidden, mixes, scale, base = torch.randn(2, 4, 64), torch.randn(2, 24), torch.rand(3), torch.randn(24)
+    with pytest.raises(ValueError, match="mixes: expected shape \\[2, 24\\]"):
+        ops.hyper_connection(hidden, torch.randn(2, 20), scale, base, 1e-6, 20)
+    with pytest.raises(TypeError, match="mixes: expected float32"):
+        ops.hyper_connection(hidden, mixes.bfloat16(), scale, base, 1e-6, 20)
+    with pytest.raises(TypeError, match="hidden"):
+        ops.hyper_connection(hidden.double(), mixes, scale, base, 1e-6, 20)
+    with pytest.raises(TypeError, match="hidden"):
+        ops.hyper_connection(hidden.int(), mixes, scale, base, 1e-6, 20)
+    with pytest.raises(ValueError, match="hidden"):
+        ops.hyper_connection(hidden[:, 0], mixes, scale, base, 1e-6, 20)
+    with pytest.raises(ValueError, match="scale"):
+        ops.hyper_connection(hidden, mixes, torch.rand(2), base, 1e-6, 20)
+    with pytest.raises(ValueError, match="base"):
+        ops.hyper_connection(hidden, mixes, scale, torch.randn(20), 1e-6, 20)
+    with pytest.raises(ValueError, match="base: expected device"):
+        ops.hyper_connection(hidden, mixes, scale, base.to("meta"), 1e-6, 20)
+    with pytest.raises(ValueError, match="mixes: expected device"):
+        ops.hyper_connection(hidden, mixes.to("meta"), scale, base, 1e-6, 20)
+    with pytest.raises(ValueError, match="sinkhorn_iters"):
+        ops.hyper_connection(hidden, mixes, scale, base, 1e-6, 0)
+    with pytest.raises(ValueError, match="sinkhorn_iters"):
+        ops.hyper_connection(hidden, mixes, scale, base, 1e-6, 2.0)
+    with pytest.raises(ValueError, match="hc_eps"):
+        ops.hyper_connection(hidden, mixes, scale, base, -1e-6, 20)

@@ -74,6 +74,13 @@ class DecodeInputs:
     host: torch.Tensor  # [n] int64, CPU
     layout: tuple[tuple[str, tuple[int, ...]], ...]
 
+    def set_input_ids(self, input_ids) -> None:
+        """Write the step's token ids (batch * s_q, request after request) into `host`: for metadata built
+        ahead of its step, before the tokens it takes were known (the layout's first array is the
+        [key.batch, s_q] token ids, padding rows last)."""
+        ids = _token_ids(input_ids, self.batch, self.key.s_q)
+        self.host[: ids.size] = torch.from_numpy(ids)
+
 
 @dataclass
 class DecodeMetadata:
@@ -154,18 +161,24 @@ def _entry_writes(table: np.ndarray, positions: np.ndarray, ratio: int) -> np.nd
     return np.where(completes, np.take_along_axis(table, entry, axis=1), -1)
 
 
+def _token_ids(input_ids, batch: int, s_q: int) -> np.ndarray:
+    ids = np.asarray(input_ids, dtype=np.int64)
+    if ids.shape != (batch * s_q,):
+        raise ValueError(f"input_ids: expected {batch * s_q} token ids ({batch} sequences x {s_q}), got shape "
+                         f"{ids.shape}")
+    return ids
+
+
 def build_decode_inputs(runtime, seqs, input_ids) -> DecodeInputs:
     """The step's metadata on the host for runtime (a DeepseekV4Runtime), its sequences (SeqStep, each with
-    the same number of new tokens) and their token ids (B * s_q, request after request)."""
+    the same number of new tokens) and their token ids (B * s_q, request after request; None: zeros, for
+    metadata built ahead of its step, the ids set later by DecodeInputs.set_input_ids)."""
     s_q = seqs[0].length
     if any(s.length != s_q for s in seqs):
         raise ValueError(f"seqs: decode needs the same number of new tokens per sequence, got "
                          f"{[s.length for s in seqs]}")
     batch = len(seqs)
-    ids = np.asarray(input_ids, dtype=np.int64)
-    if ids.shape != (batch * s_q,):
-        raise ValueError(f"input_ids: expected {batch * s_q} token ids ({batch} sequences x {s_q}), got shape "
-                         f"{ids.shape}")
+    ids = np.zeros(batch * s_q, dtype=np.int64) if input_ids is None else _token_ids(input_ids, batch, s_q)
     padded = padded_batch(batch, runtime.max_batch)
     stores = runtime.stores
     rids = [s.state.rid for s in seqs]

@@ -160,17 +160,33 @@ class DeepseekV4Runtime:
         last = torch.tensor([s.offset + s.length - 1 for s in seqs], device=hidden.device)
         return self.head(self.model.hc_head, self.model.norm.weight, hidden, last, False, all_hidden)
 
+    def prepare_decode(self, seqs: list[SeqStep]) -> DecodeInputs:
+        """The metadata of a decode step over seqs built ahead of it, before its token ids are known (the
+        runner builds step n + 1's while the GPU runs step n); `decode(..., inputs=)` takes it. Backs the
+        pages the step writes, as `decode` would. On a GPU its host array is pinned now, off the step's path."""
+        inputs = build_decode_inputs(self, seqs, None)
+        if self.device.type == "cuda":
+            inputs.host = inputs.host.pin_memory()  # the step's copy then pins nothing (pin_memory() of it: itself)
+        return inputs
+
     @torch.no_grad()
-    def decode(self, input_ids, seqs: list[SeqStep], *, all_logits: bool = False, all_hidden: bool = False,
-               speculative: bool = False):
+    def decode(self, input_ids, seqs: list[SeqStep], *, inputs: DecodeInputs | None = None, all_logits: bool = False,
+               all_hidden: bool = False, speculative: bool = False):
         """One decode step: input_ids the B * s_q new token ids on the HOST (a list or CPU tensor; they
-        travel in the step's one copy), seqs one SeqStep per request (same length s_q). Returns (logits
-        fp32, hidden): each sequence's last token's logits [B, vocab] (all_logits: every token's,
-        [B * s_q, vocab]); hidden None, or with all_hidden every token's [B * s_q, hidden].
+        travel in the step's one copy), seqs one SeqStep per request (same length s_q); inputs: the step's
+        metadata from prepare_decode(seqs) (None: built here). Returns (logits fp32, hidden): each
+        sequence's last token's logits [B, vocab] (all_logits: every token's, [B * s_q, vocab]); hidden
+        None, or with all_hidden every token's [B * s_q, hidden].
         speculative: journal the compressor states so that `rollback` can drop trailing tokens.
         With CUDA graphs (self.graphs) a plain step (no all_logits / all_hidden / speculative) replays the
         graph of its DecodeKey; every other step runs decode_step eagerly."""
-        inputs = build_decode_inputs(self, seqs, input_ids)
+        if inputs is None:
+            inputs = build_decode_inputs(self, seqs, input_ids)
+        elif inputs.batch != len(seqs) or inputs.key.s_q != seqs[0].length:
+            raise ValueError(f"inputs: prepared for {inputs.batch} sequences x {inputs.key.s_q} tokens, the step has "
+                             f"{len(seqs)} x {seqs[0].length}")
+        else:
+            inputs.set_input_ids(input_ids)
         rows = inputs.batch * inputs.key.s_q
         if self.graphs is not None and not (all_logits or all_hidden or speculative):
             self.journal = None
@@ -262,23 +278,12 @@ class DeepseekV4Runtime:
             rec.store.truncate(state.rid, (start + keep) // rec.rows.ratio)
 
     def _hyper_connection(self, hc, hidden: torch.Tensor):
-        """transformers' DeepseekV4HyperConnection on [T, hc, hidden] with its norm through the engine's rms_norm op."""
-        n = hc.hc_mult
+        """transformers' DeepseekV4HyperConnection on [T, hc, hidden]: its norm through the engine's rms_norm
+        op, its projection, then the hyper_connection op (pre / post / comb weights, Sinkhorn, the collapse:
+        one Triton launch, or transformers' torch code under DEEPINFER_KERNELS=ref)."""
         flat = op("rms_norm")(hidden.reshape(hidden.size(0), -1).float(), None, self.eps)
         mixes = F.linear(flat, hc.fn.float())
-        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = hc.base.split([n, n, n * n])
-        pre_scale, post_scale, comb_scale = hc.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_scale + pre_b) + hc.hc_eps
-        post = 2 * torch.sigmoid(post_w * post_scale + post_b)
-        comb = torch.softmax(comb_w.view(-1, n, n) * comb_scale + comb_b.view(n, n), dim=-1) + hc.hc_eps
-        # Sinkhorn-Knopp towards a doubly-stochastic mixing matrix (columns first, as the reference).
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc.hc_eps)
-        for _ in range(hc.hc_sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + hc.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + hc.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * hidden).sum(dim=1).to(hidden.dtype)
-        return post, comb, collapsed
+        return op("hyper_connection")(hidden, mixes, hc.scale, hc.base, hc.hc_eps, hc.hc_sinkhorn_iters)
 
     def _hyper_head(self, head, hidden: torch.Tensor) -> torch.Tensor:
         flat = op("rms_norm")(hidden.flatten(1).float(), None, self.eps)
