@@ -14,6 +14,9 @@ max_new_tokens); admitted requests are prefilled together in one packed step, wh
 first token. Otherwise all running requests decode one token in one batched step. A request
 finishes after exactly max_new_tokens tokens (EOS does not stop it, as in the oracle) and frees its
 pages at once, so the next iteration can admit a waiting request while the others keep decoding.
+Because requests end only there, the next decode batch is known before a step's tokens are: while the
+GPU runs a plain decode step, the host advances the lengths, releases old window rows and builds the
+next step's metadata (Engine._prepare_next_decode), then reads the tokens back.
 
 NextN decoding (DEEPINFER_USE_NEXTN_DECODE=1, k = num_speculative_tokens drafts per step):
   - after a request's prefill, the NextN layer runs over the prompt (row i: token i + 1 and the

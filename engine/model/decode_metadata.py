@@ -20,6 +20,8 @@ batch is padded to `padded_batch` (1, 2, 4, 8, then multiples of 8) with rows th
 wide; an entry table is padded with -1 to `entry_width` entries (powers of two, at least
 ENTRY_WIDTH_MIN: the kernels walk a list's whole width, so the width follows the longest request in
 buckets instead of the store's capacity); a ratio-4 layer attends to min(index_topk, width) entries.
+The runner builds a step's metadata while the GPU runs the step before it (token ids left out, written
+by DecodeInputs.set_input_ids when the step runs), so the build is off the step's path.
 Everything is computed on the host from the page tables (numpy, vectorized over the batch) into ONE
 int64 array, copied to the device in one transfer (DecodeInputs.host); `decode_metadata` makes the
 device views (and the int32 lists) from it, inside the step (in a graph: on its static input buffer).

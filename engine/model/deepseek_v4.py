@@ -18,7 +18,8 @@ DEEPINFER_KERNEL_SOURCE=hub):
     with the sliding-window store as main cache and a compressed store as the extra cache (flat slot
     ids, sinks passed in); inverse RoPE on the output, then the grouped output projection.
 Decode (`decode`): the step's metadata (engine.model.decode_metadata) is built on the host once per step
-in static shapes and copied to the device in one transfer; `decode_step` then runs the whole model on
+(or ahead of it, during the previous step: `prepare_decode`) in static shapes and copied to the device in
+one transfer; `decode_step` then runs the whole model on
 the device with GPU ops only (no host sync, no tensor from host data): what a CUDA graph captures
 (engine.model.decode_graphs), and what runs eagerly on a CPU or with graphs off.
 
