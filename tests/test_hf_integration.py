@@ -10,8 +10,9 @@ Tolerances: logits are O(10) and the tiny model (initializer_range 0.2) amplifie
 with an exact (float64) attention differs from eager by 3.5e-5 - 6.9e-5 on 12-24 token prompts and by
 1.2e-4 on a 140-token prompt (measured on CPU, 2026-12-02), while every layer's attention output here
 agrees with eager's to 2e-6 (ATTENTION_ATOL), and eager itself moves by up to 1.3e-4 when the same
-prompt runs in a batch of two. So: LOGITS_ATOL = 1e-4 on the short prompt (the sparse kernel under
-Triton's interpreter; measured 5.6e-5 - 8.2e-5 over four seeds), LONG_LOGITS_ATOL = 5e-4 on the
+prompt runs in a batch of two. So: LOGITS_ATOL = 3e-4 on the short prompt (the sparse kernel under
+Triton's interpreter; measured 5.6e-5 - 8.2e-5 over four seeds on one 2-core CPU machine, 1.2e-4 -
+1.5e-4 on another, 2026-12-04: CPUs round float32 matmuls differently), LONG_LOGITS_ATOL = 5e-4 on the
 140-token prompt (the float32 reference backend: 140 query rows under the interpreter would take
 minutes; measured 1.1e-4 - 2.6e-4 over four seeds) and on a batch of two short prompts (1.3e-4);
 greedy tokens equal everywhere.
@@ -38,7 +39,7 @@ import build_kernel_repo  # noqa: E402
 
 REPO_ID, REVISION = build_kernel_repo.REPO_ID, build_kernel_repo.REVISION
 
-LOGITS_ATOL = 1e-4
+LOGITS_ATOL = 3e-4
 LONG_LOGITS_ATOL = 5e-4
 ATTENTION_ATOL = 1e-5
 NEW_TOKENS = 3
