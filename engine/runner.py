@@ -145,13 +145,33 @@ class _Active:
     request: Request
     state: RequestState
     output_ids: list[int] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)
+    # output token i's logits: row logit_rows[i] of the host tensor logit_tables[i] (a step's [rows, vocab],
+    # shared by its requests: no tensor object per token and step)
+    logit_tables: list[torch.Tensor] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)  # NextN: the k tokens proposed after output_ids
     draft_logits: torch.Tensor | None = None  # [k, vocab] fp32: the NextN logits each draft was taken from
+    pending: int = 0  # tokens chosen after output_ids whose read-back is still under way (_InFlight)
+
+    @property
+    def emitted(self) -> int:
+        return len(self.output_ids) + self.pending
 
     @property
     def done(self) -> bool:
-        return len(self.output_ids) >= self.request.max_new_tokens
+        return self.emitted >= self.request.max_new_tokens
+
+
+@dataclass
+class _InFlight:
+    """A step's tokens and logits rows on their way to the host: the runner launches the next decode step
+    (its token ids: `tokens`, on the device) before it reads them."""
+
+    batch: list[_Active]
+    tokens: torch.Tensor  # [B] int64 on the device: the tokens the step emits (forced ones put in)
+    host_tokens: torch.Tensor  # [B] on the host (CUDA: pinned, filled by an asynchronous copy)
+    host_logits: torch.Tensor  # [B, vocab] fp32 on the host (CUDA: pinned staging, reused by later steps)
+    copied: torch.cuda.Event | None  # recorded after the copies (None: a CPU step, already on the host)
 
 
 class Engine:
@@ -232,6 +252,8 @@ class Engine:
         self._spec_stats = dict(draft_seconds=0.0, draft_tokens=0, accepted_tokens=0)
         self._sampled = False  # a sampling.sample launch ran (stats() then names its backend)
         self._prepared = None  # (batch, seqs, DecodeInputs): the next decode step's, built ahead
+        self._in_flight: _InFlight | None = None  # the last step, not read back yet
+        self._staging: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # pinned, per logits shape
 
     # -- KV stores --------------------------------------------------------------------------
     def _store_pages(self, max_len: int) -> dict[str, int]:
@@ -294,7 +316,8 @@ class Engine:
 
     def _retire(self, active: _Active) -> Completion:
         self._retire_pages(active)
-        return Completion(active.request.request_id, active.output_ids, torch.stack(active.logits))
+        logits = torch.stack([t[r] for t, r in zip(active.logit_tables, active.logit_rows)])
+        return Completion(active.request.request_id, active.output_ids, logits)
 
     # -- requests -----------------------------------------------------------------------------
     def _check_requests(self, requests) -> None:
@@ -347,6 +370,7 @@ class Engine:
         """Completions (greedy or sampled, per request), in the order of `requests`."""
         self._check_requests(requests)
         self._prepared = None  # metadata prepared in an earlier call points at pages given back since
+        self._in_flight = None
         waiting = deque(requests)
         running: list[_Active] = []
         finished: dict[str, Completion] = {}
@@ -363,10 +387,14 @@ class Engine:
                 else:  # nothing runs and the head request can never fit: the stores are too small for it
                     raise RuntimeError(f"request {waiting[0].request_id!r} does not fit in empty KV stores "
                                        f"(max_seq_len {self.max_seq_len})")
-                for active in [a for a in running if a.done]:
+                done = [a for a in running if a.done]
+                if done:
+                    self._finish_in_flight()
+                for active in done:
                     running.remove(active)
                     finished[active.request.request_id] = self._retire(active)
         except BaseException:
+            self._in_flight = None
             for active in running:  # give their pages back: the engine stays usable after a failure
                 self._retire_pages(active)
             raise
@@ -400,6 +428,16 @@ class Engine:
                     top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
                     top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device))
 
+    def _emitted_tokens(self, batch: list[_Active], chosen: torch.Tensor) -> torch.Tensor:
+        """The tokens a step emits [B] on the device: `chosen`, with each teacher-forced request's forced
+        token in its row (one small copy, only when a request of the batch is forced)."""
+        forced = [a.request.forced_output_ids for a in batch]
+        if all(f is None for f in forced):
+            return chosen
+        ids = torch.tensor([-1 if f is None else f[a.emitted] for a, f in zip(batch, forced)], dtype=chosen.dtype,
+                           device=chosen.device)
+        return torch.where(ids >= 0, ids, chosen)
+
     def _select(self, batch: list[_Active], logits: torch.Tensor, positions: list[int], *,
                 draw: int = sampling.DRAW_SAMPLE) -> torch.Tensor:
         """One token per row of logits [B, vocab] (row b: batch[b]) in one launch, left on logits' device
@@ -422,35 +460,85 @@ class Engine:
         if nextn and self.nextn_window is not None:
             self.nextn_window.release_rows_before(active.state.rid, first_needed)
 
-    def _step(self, batch: list[_Active], tokens: list[list[int]], *, prefill: bool) -> None:
-        """One prefill (tokens: the prompts) or plain decode step (tokens: each request's last token). The
-        host's share of a decode step overlaps the GPU's: once the forward and the token choice are
-        launched, the requests' lengths advance, their old window rows are released and the next step's
-        metadata is built (_prepare_next_decode) before the chosen tokens are read back."""
+    def _step(self, batch: list[_Active], tokens, *, prefill: bool) -> None:
+        """One prefill (tokens: the prompts) or plain decode step (tokens: each request's last token, host ids
+        or the step before's device tensor: _decode_ids). A decode step is read back during the next one:
+        once its forward and its token choice are launched, the requests' lengths advance, their old window
+        rows are released, the next step's metadata is built (_prepare_next_decode), the step before is read
+        back (its tokens and logits, copied during this step's GPU work) and this step's copies are queued
+        (_InFlight). The runner reads a decode step's tokens only where it needs them: before a request
+        retires, an admission changes the batch or a NextN step. A prefill is read back at once."""
         prepared = None if prefill else self._take_prepared(batch)
-        seqs = (self._seq_steps(batch, [len(t) for t in tokens], [a.state.length for a in batch])
-                if prepared is None else prepared[0])
+        seqs = (self._seq_steps(batch, [len(t) for t in tokens] if prefill else [1] * len(batch),
+                                [a.state.length for a in batch]) if prepared is None else prepared[0])
         if prefill:
             input_ids, positions = self._inputs(seqs, tokens)
             logits, hidden = self.runtime.prefill(input_ids, positions, seqs, all_hidden=self.nextn)
         else:
-            logits, hidden = self.runtime.decode(self._host_ids(tokens), seqs,
-                                                 inputs=None if prepared is None else prepared[1])
+            logits, hidden = self.runtime.decode(tokens, seqs, inputs=None if prepared is None else prepared[1])
         # each request's new token is the one at index start + length of its sequence
-        chosen = self._select(batch, logits, [s.start + s.length for s in seqs])
+        emitted = self._emitted_tokens(batch, self._select(batch, logits, [s.start + s.length for s in seqs]))
         for active, seq in zip(batch, seqs):
             active.state.length += seq.length
+            active.pending += 1
             self._release_window_rows(active)
         if not prefill:
             self._prepare_next_decode(batch)
-        for active, row, token in zip(batch, logits.cpu(), chosen.tolist()):
-            forced = active.request.forced_output_ids
-            active.output_ids.append(int(token) if forced is None else forced[len(active.output_ids)])
-            active.logits.append(row)
-        if prefill and self.nextn:
-            start = time.perf_counter()
-            self._draft_after_prefill(batch, seqs, hidden)
-            self._spec_stats["draft_seconds"] += time.perf_counter() - start
+        self._collect()
+        self._in_flight = self._read_back(batch, emitted, logits)
+        if prefill:
+            self._collect()
+            if self.nextn:
+                start = time.perf_counter()
+                self._draft_after_prefill(batch, seqs, hidden)
+                self._spec_stats["draft_seconds"] += time.perf_counter() - start
+
+    def _read_back(self, batch: list[_Active], tokens: torch.Tensor, logits: torch.Tensor) -> _InFlight:
+        """Queue the copies of a step's tokens and logits rows to the host (on CUDA asynchronous, into pinned
+        buffers: the host goes on; the logits' staging buffer is reused, so _collect copies the rows out)."""
+        if tokens.device.type != "cuda":
+            return _InFlight(batch, tokens, tokens, logits, None)
+        staging = self._staging.get(tuple(logits.shape))
+        if staging is None:
+            staging = self._staging[tuple(logits.shape)] = (
+                torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True),
+                torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True))
+        host_tokens, host_logits = staging
+        host_tokens.copy_(tokens, non_blocking=True)
+        host_logits.copy_(logits, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return _InFlight(batch, tokens, host_tokens, host_logits, copied)
+
+    def _collect(self) -> None:
+        """Read back the step in flight, if any: its tokens and logits rows join its requests' outputs."""
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            return
+        rows = step.host_logits
+        if step.copied is not None:
+            step.copied.synchronize()
+            rows = rows.clone()  # the staging buffer takes a later step's rows
+        for b, (active, token) in enumerate(zip(step.batch, step.host_tokens.tolist())):
+            active.output_ids.append(token)
+            active.logit_tables.append(rows)
+            active.logit_rows.append(b)
+            active.pending -= 1
+
+    def _finish_in_flight(self) -> None:
+        """_collect outside a decode step (a request retires): the wait for the last decode step, decode time."""
+        start = time.perf_counter()
+        self._collect()
+        self._stats["decode_seconds"] += time.perf_counter() - start
+
+    def _decode_ids(self, batch: list[_Active]):
+        """A decode step's token ids: the step in flight's device tensor when it ran this same batch (nothing
+        read back), else each request's last token from the host (reading the step in flight first)."""
+        step = self._in_flight
+        if step is not None and len(step.batch) == len(batch) and all(a is b for a, b in zip(step.batch, batch)):
+            return step.tokens
+        self._collect()
+        return self._host_ids([[a.output_ids[-1]] for a in batch])
 
     def _prepare_next_decode(self, batch: list[_Active]) -> None:
         """Build the next decode step's metadata now, while the GPU computes this one, when the batch is
@@ -458,7 +546,7 @@ class Engine:
         at max_new_tokens). The tokens that step takes are set when it runs. A batch that changes anyway
         (an admission: a prefill comes first) rebuilds it (_take_prepared)."""
         self._prepared = None
-        if all(len(a.output_ids) + 1 < a.request.max_new_tokens for a in batch):
+        if not any(a.done for a in batch):
             seqs = self._seq_steps(batch, [1] * len(batch), [a.state.length for a in batch])
             self._prepared = (list(batch), seqs, self.runtime.prepare_decode(seqs))
 
@@ -484,10 +572,10 @@ class Engine:
 
     def _decode(self, batch: list[_Active]) -> None:
         start = time.perf_counter()
-        if self.nextn:
+        if self.nextn:  # nothing in flight: a prefill is read back at once, NextN steps at their end
             emitted = self._verify(batch)
         else:
-            self._step(batch, [[a.output_ids[-1]] for a in batch], prefill=False)
+            self._step(batch, self._decode_ids(batch), prefill=False)
             emitted = len(batch)
         self._stats["decode_seconds"] += time.perf_counter() - start
         self._stats["decode_tokens"] += emitted
@@ -570,7 +658,8 @@ class Engine:
             self._release_window_rows(active, nextn=False)
             emit = tokens[b][:kept][: active.request.max_new_tokens - len(active.output_ids)]
             active.output_ids.extend(emit)
-            active.logits.extend(target_rows[b, : len(emit)])
+            active.logit_tables.extend([target_rows[b]] * len(emit))
+            active.logit_rows.extend(range(len(emit)))
             emitted_total += len(emit)
         self._draft_after_verify(batch, seqs, tokens, accepted, hidden)
         return emitted_total

@@ -49,7 +49,8 @@ for s in "$@"; do
                 "attention.tilelang_sm90_paged_fp8 64,\"V32\"" "attention.tilelang_sm90_paged_fp8 128,\"V32\""; do
                 set -- $v; python3 -c "from engine.h20_ops.$1 import compiled_kernel; compiled_kernel($2)" & done
                 fail=0; for j in $(jobs -p); do wait $j || fail=1; done; exit $fail' ;;
-        tests) step tests 600 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_mla_ref.py \
+        # the kernel test files in 6 processes (the image's pytest-xdist): one process takes ~9 minutes
+        tests) step tests 560 python3 -m pytest -q -n 6 -p no:cacheprovider tests/test_sparse_mla_ref.py \
                 tests/test_dispatcher.py tests/test_flashmla_sparse.py tests/test_sparse_mla_sm90.py \
                 tests/test_sparse_mla_sm90_paged_fp8.py tests/test_triton_paged_fp8.py tests/test_decode.py \
                 tests/test_prefill.py tests/test_kv_quant.py tests/test_fused_sample.py ;;

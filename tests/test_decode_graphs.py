@@ -4,7 +4,8 @@ CPU: the batched decode formulation of the compressors equals the prefill one in
 (engine.model.compressor: the same entries up to fp32 rounding, the same state rows bit for bit, over
 requests whose windows close at different steps, with a padding row); the decode indexer keeps the same entries as prefill's top-k
 where more entries than index_topk are visible (inputs without ties), and breaks exact ties by entry
-id whatever the row's padded width; padding the batch and the entry tables further changes no token
+id whatever the row's padded width; the step's metadata computed on the device equals each request's
+slots read from its page tables row by row; padding the batch and the entry tables further changes no token
 and no logit beyond fp32 summation order; the shapes a key fixes (padded batch, entry widths) and the
 runner's use of graphs (plain steps through runtime.graphs with one buffer per key, NextN steps eager,
 stats) with a CPU stand-in that replays a key's step eagerly on its kept buffer.
@@ -149,6 +150,70 @@ def test_decode_top_k_breaks_ties_by_entry_id_whatever_the_width():
 # ------------------------------------------------------------------------------------------
 # static shapes
 
+def test_device_metadata_equals_the_page_tables_row_by_row(checkpoint, engine_env):
+    """decode_metadata's lists, tables and write slots (computed on the device from the compact page tables
+    the host sends) equal each request's slots read row by row from its stores (PagedRows.slots), at
+    lengths around page and window boundaries, with unbacked old window pages and s_q 2; padding rows read
+    and write nothing; a query whose window row lost its page is refused on the host."""
+    from engine.kv_store import CacheCapacityError
+    from engine.model.layer_types import CSA, HCA
+
+    engine_env()
+    engine = Engine(checkpoint, max_batch_size=8, max_seq_len=700)
+    runtime, stores, s_q = engine.runtime, engine.stores, 2
+    window = runtime.window
+    lengths = [1, 63, 64, 127, 190, 300, 640]  # 7 requests, padded to 8 (190: its window starts at row 63)
+    batch = [engine._admit(Request(f"r{i}", [5] * n, 4)) for i, n in enumerate(lengths)]
+    for active, n in zip(batch, lengths):
+        rid = active.state.rid
+        stores.window.ensure_rows(rid, max(0, n - window + 1), n)  # what prefill keeps: the last window
+        for store, ratio in ((stores.csa, runtime.ratio[CSA]), (stores.indexer, runtime.ratio[CSA]),
+                             (stores.hca, runtime.ratio[HCA])):
+            store.ensure_rows(rid, 0, n // ratio)
+        active.state.length = n
+    seqs = engine._seq_steps(batch, [s_q] * len(batch), lengths)
+    inputs = runtime.prepare_decode(seqs)
+    meta = runtime.decode_metadata(inputs.host.clone(), inputs)
+    assert meta.batch == 8
+
+    def slots(store, rid, rows):
+        return store.slots(rid, torch.tensor(rows, dtype=torch.long)).tolist() if rows else []
+
+    def padded(values, width):
+        return values + [-1] * (width - len(values))
+
+    ratio_csa, ratio_hca = runtime.ratio[CSA], runtime.ratio[HCA]
+    csa_width, hca_width = meta.csa_entry_slots.size(1), meta.hca_indices.size(2)
+    for b, (active, n) in enumerate(zip(batch, lengths)):
+        rid = active.state.rid
+        count_csa, count_hca = (n + s_q) // ratio_csa, (n + s_q) // ratio_hca
+        assert meta.csa_entry_slots[b].tolist() == padded(slots(stores.csa, rid, list(range(count_csa))), csa_width)
+        assert meta.indexer_entry_slots[b].tolist() == padded(slots(stores.indexer, rid, list(range(count_csa))),
+                                                              csa_width)
+        hca_table = slots(stores.hca, rid, list(range(count_hca)))
+        for j in range(s_q):
+            p = n + j
+            rows = list(range(max(0, p - window + 1), p + 1))
+            assert meta.window_indices[b, j].tolist() == padded(slots(stores.window, rid, rows), window), (n, j)
+            assert meta.window_write_slots[b * s_q + j].item() == slots(stores.window, rid, [p])[0]
+            assert meta.hca_indices[b, j].tolist() == padded(hca_table[: (p + 1) // ratio_hca], hca_width)
+            for name, store, ratio in (("csa", stores.csa, ratio_csa), ("indexer", stores.indexer, ratio_csa),
+                                       ("hca", stores.hca, ratio_hca)):
+                closes = (p + 1) % ratio == 0
+                expected = slots(store, rid, [(p + 1) // ratio - 1])[0] if closes else -1
+                assert meta.entry_writes[name][b, j].item() == expected, (name, n, j)
+        assert meta.positions.view(-1, s_q)[b].tolist() == [n, n + 1]
+    for b in range(len(batch), meta.batch):  # padding rows
+        assert (meta.window_indices[b] == -1).all() and (meta.window_write_slots.view(-1, s_q)[b] == -1).all()
+        assert (meta.csa_entry_slots[b] == -1).all() and (meta.hca_indices[b] == -1).all()
+        assert all((w[b] == -1).all() for w in meta.entry_writes.values())
+        assert meta.state_rows[b].item() == engine.compressor_states.scratch_row
+    # the window row the longest request's first query reads loses its page: refused before any layer runs
+    stores.window.release_rows_before(batch[-1].state.rid, lengths[-1])
+    with pytest.raises(CacheCapacityError, match="window: a decode query reads a row whose page was released"):
+        runtime.prepare_decode(seqs)
+
+
 def test_batch_and_entry_width_buckets():
     assert [padded_batch(b, 128) for b in (1, 2, 3, 5, 8, 9, 16, 17, 64, 121, 128)] == \
         [1, 2, 4, 8, 8, 16, 16, 24, 64, 128, 128]
@@ -213,7 +278,7 @@ class _EagerReplay:
         self.keys = []
         self.replays = 0
 
-    def run(self, inputs):
+    def run(self, inputs, device_ids=None):
         if inputs.key not in self.buffers:
             self.buffers[inputs.key] = torch.empty_like(inputs.host)
             self.layouts[inputs.key] = inputs.layout
@@ -221,6 +286,8 @@ class _EagerReplay:
         assert self.layouts[inputs.key] == inputs.layout, "a key must fix the metadata's layout"
         buffer = self.buffers[inputs.key]
         buffer.copy_(inputs.host)
+        if device_ids is not None:  # the tokens of the step before, as the runner left them on the device
+            inputs.token_ids(buffer).copy_(device_ids)
         self.replays += 1
         return self.runtime.decode_step(buffer, inputs)[0]
 

@@ -223,6 +223,11 @@ def test_engine_teacher_forced(checkpoint, prompts, engine_env):
             assert diff < FP32_LOGITS_ATOL, f"{d.request_id} (NextN {nextn}): logits differ by {diff}"
         assert (engine.stats().get("draft_tokens", 0) > 0) == (nextn == "1")
         _all_pages_free(engine)
+        # one forced request next to a free one: the forced tokens go in on the device, the free row is unchanged
+        mixed = engine.generate([Request("text", prompts["text"][0], 4, forced_output_ids=other[0]),
+                                 Request("short", prompts["short"][0], 4)])
+        assert mixed[0].output_ids == other[0] and mixed[1].output_ids == free[1].output_ids, nextn
+        assert float((mixed[1].step_logits - free[1].step_logits).abs().max()) < FP32_LOGITS_ATOL, nextn
     engine = Engine(checkpoint)
     for forced, error, message in (([1, 2], ValueError, r"requests\[0\]\.forced_output_ids: expected max_new_tokens "
                                                        r"= 3 tokens, got 2"),
@@ -605,19 +610,25 @@ def test_decode_metadata_is_built_once_per_step_and_the_device_forward_copies_no
     assert attention_calls == list(range(layers)) * decode_steps
 
 
-def test_next_decode_metadata_is_built_while_the_step_runs(checkpoint, prompts, engine_env, monkeypatch):
+def test_decode_steps_are_read_back_during_the_next_step(checkpoint, prompts, engine_env, monkeypatch):
     """The host's share of a decode step overlaps the GPU's: step n + 1's metadata is built (without its token
-    ids) after step n is launched and before step n's tokens are read back, except where the batch will
-    change (a request emits its last token in step n: the next step builds its own). Tokens are unchanged."""
+    ids) after step n is launched, step n + 1 is launched with step n's tokens as the device left them, and
+    step n is read back only after that launch. Where the batch will change (a request emits its last token)
+    nothing is built ahead, and a retiring request's step is read at once. Tokens are unchanged."""
     from engine.model import deepseek_v4
 
     engine_env()
     events = []
     real_build, real_tolist = deepseek_v4.build_decode_inputs, torch.Tensor.tolist
+    real_decode = deepseek_v4.DeepseekV4Runtime.decode
 
     def recording_build(runtime, seqs, input_ids):
         events.append(("build", len(seqs), "ahead" if input_ids is None else "now"))
         return real_build(runtime, seqs, input_ids)
+
+    def recording_decode(self, input_ids, seqs, **kwargs):
+        events.append(("launch", "device ids" if torch.is_tensor(input_ids) else "host ids"))
+        return real_decode(self, input_ids, seqs, **kwargs)
 
     def recording_tolist(self):
         events.append(("read",))
@@ -627,12 +638,14 @@ def test_next_decode_metadata_is_built_while_the_step_runs(checkpoint, prompts, 
     requests = [Request("long", prompts["long"][0], 4), Request("short", prompts["short"][0], 3)]
     expected = [c.output_ids for c in engine.generate(requests)]
     monkeypatch.setattr(deepseek_v4, "build_decode_inputs", recording_build)
+    monkeypatch.setattr(deepseek_v4.DeepseekV4Runtime, "decode", recording_decode)
     monkeypatch.setattr(torch.Tensor, "tolist", recording_tolist)
     got = [c.output_ids for c in engine.generate(requests)]
     monkeypatch.undo()
     assert got == expected
-    decode = events[events.index(("build", 2, "now")):]  # from the first decode step on (the prefill's read before)
-    assert decode == [("build", 2, "now"), ("build", 2, "ahead"), ("read",),  # step 1 prepares step 2
-                      ("read",),  # step 2: "short" emits its 3rd and last token, nothing prepared
-                      ("build", 1, "now"), ("read",)], decode  # step 3: "long" alone, its last token
-    assert engine._prepared is None
+    decode = events[events.index(("launch", "host ids")):]  # from the first decode step on (the prefill's read before)
+    assert decode == [("launch", "host ids"), ("build", 2, "now"), ("build", 2, "ahead"),  # step 1 prepares step 2
+                      ("launch", "device ids"), ("read",),  # step 2 launched with step 1's tokens, then step 1 read
+                      ("read",),  # "short" emitted its 3rd and last token in step 2: read before it retires
+                      ("launch", "host ids"), ("build", 1, "now"), ("read",)], decode  # step 3: "long" alone
+    assert engine._in_flight is None and engine._prepared is None

@@ -23,11 +23,12 @@ Layers (transformers 5.21.1, kernels 0.17.2):
   `input_layernorm` (fusion key on `model.layers.*.attn_hc` + `model.layers.*.input_layernorm`):
   the layout takes the hyper-connection's parameters under their own names and the norm as its
   submodule `norm`, and returns the normed collapsed stream; the kernel runs the hyper-connection's
-  weightless RMSNorm on the project's Triton RMSNorm.
+  weightless RMSNorm on the project's Triton RMSNorm and its weights, Sinkhorn iterations and
+  collapse as engine.ops.hyper_connection (one Triton launch).
 
 Numerics: the layers compute transformers' math in the same order and dtypes; only the attention
-kernel (fp32 accumulation, base-2 softmax) and the Triton RMSNorm (its own reduction order) differ
-from eager in rounding.
+kernel (fp32 accumulation, base-2 softmax), the Triton RMSNorm and the hyper-connection kernel (fp32,
+their own reduction orders) differ from eager in rounding.
 """
 
 from __future__ import annotations
@@ -213,25 +214,17 @@ class RMSNormScale(nn.Module):
 # attn_hc + input_layernorm
 
 
-def _hyper_connection_mix(layout: nn.Module, hidden_streams: torch.Tensor, flattened_normed: torch.Tensor):
-    """transformers' DeepseekV4HyperConnection after its weightless input norm: (post, comb, collapsed)
-    from the streams [B, S, hc, D] and their flattened normed form [B, S, hc * D] (fp32)."""
-    hc = layout.hc_mult
-    mixes = F.linear(flattened_normed, layout.fn.float())
-    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
-    pre_b, post_b, comb_b = layout.base.split([hc, hc, hc * hc])
-    pre_scale, post_scale, comb_scale = layout.scale.unbind(0)
-    pre = torch.sigmoid(pre_w * pre_scale + pre_b) + layout.hc_eps
-    post = 2 * torch.sigmoid(post_w * post_scale + post_b)
-    comb = torch.softmax(comb_w.view(*comb_w.shape[:-1], hc, hc) * comb_scale + comb_b.view(hc, hc), dim=-1)
-    comb = comb + layout.hc_eps
-    # Sinkhorn-Knopp towards a doubly stochastic comb: columns, then (rows, columns) iters - 1 times
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + layout.hc_eps)
-    for _ in range(layout.hc_sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + layout.hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + layout.hc_eps)
-    collapsed = (pre.unsqueeze(-1) * hidden_streams).sum(dim=2).to(hidden_streams.dtype)
-    return post, comb, collapsed
+def _hyper_connection_norm(module: nn.Module, hidden_streams: torch.Tensor, input_norm, hyper_connection):
+    """(post, comb, module.norm(collapsed)) of a HyperConnectionNorm(Layout) on the streams [B, S, hc, D]:
+    input_norm the weightless RMSNorm of the flattened streams [B * S, hc * D] (fp32), hyper_connection
+    ops.hyper_connection's signature (the op, or its ref: transformers' torch code)."""
+    batch, seq_len, hc, dim = hidden_streams.shape
+    streams = hidden_streams.reshape(batch * seq_len, hc, dim)
+    normed = input_norm(streams.reshape(batch * seq_len, hc * dim).float())
+    post, comb, collapsed = hyper_connection(streams, F.linear(normed, module.fn.float()), module.scale, module.base,
+                                             module.hc_eps, module.hc_sinkhorn_iters)
+    return (post.view(batch, seq_len, hc), comb.view(batch, seq_len, hc, hc),
+            module.norm(collapsed.view(batch, seq_len, dim)))
 
 
 class HyperConnectionNormLayout(nn.Module):
@@ -257,23 +250,19 @@ class HyperConnectionNormLayout(nn.Module):
         self.norm = input_layernorm
 
     def forward(self, hidden_streams: torch.Tensor):
-        batch, seq_len = hidden_streams.shape[:2]
-        normed = self.input_norm(hidden_streams.view(batch, seq_len, -1).float())
-        post, comb, collapsed = _hyper_connection_mix(self, hidden_streams, normed)
-        return post, comb, self.norm(collapsed)
+        return _hyper_connection_norm(self, hidden_streams, self.input_norm, ops._hyper_connection_ref)
 
 
 class HyperConnectionNorm(nn.Module):
     """Kernel layer for HyperConnectionNormLayout: the hyper-connection's weightless RMSNorm on the
-    project's Triton RMSNorm (the `norm` submodule runs its own forward, kernelized or not)."""
+    project's Triton RMSNorm, the rest of it on ops.hyper_connection (the `norm` submodule runs its own
+    forward, kernelized or not)."""
 
     has_backward = False
 
     def forward(self, hidden_streams: torch.Tensor):
-        batch, seq_len = hidden_streams.shape[:2]
-        normed = ops.rms_norm(hidden_streams.view(batch, seq_len, -1).float(), None, self.input_norm.eps)
-        post, comb, collapsed = _hyper_connection_mix(self, hidden_streams, normed)
-        return post, comb, self.norm(collapsed)
+        return _hyper_connection_norm(self, hidden_streams, lambda x: ops.rms_norm(x, None, self.input_norm.eps),
+                                      ops.hyper_connection)
 
 
 __all__ = [

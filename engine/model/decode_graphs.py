@@ -5,7 +5,8 @@ engine.model.decode_metadata): the embeddings, every layer (projections, norms, 
 writes, the compressors and indexer on their state rows with their entries' writes, the attention
 with its plans, the MoE) and the head, into a static logits tensor [padded batch, vocab]. A replay
 takes the next step of the same key: its metadata copied into the buffer (the step's one
-host-to-device copy), one graph launch. Outside the graphs: building the metadata (host), sampling,
+host-to-device copy; the token ids, where the step before chose them on the device, copied there from
+the device), one graph launch. Outside the graphs: building the metadata (host), sampling,
 the runner's bookkeeping, prefill, and the NextN steps (the verification journals the compressor
 state for its rollback; the drafter): those run eagerly, through the same decode_step.
 
@@ -50,21 +51,26 @@ class DecodeGraphs:
         """The keys captured so far, in capture order."""
         return list(self._graphs)
 
-    def run(self, inputs: DecodeInputs) -> torch.Tensor:
-        """The step's logits [inputs.key.batch, vocab] (the graph's static output: read it before the next
-        step of the same key)."""
+    def run(self, inputs: DecodeInputs, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's logits [inputs.key.batch, vocab] (the graph's static output: read it, or queue its copy,
+        before the next step of the same key); device_ids: the step's token ids on the device (they replace
+        the host's after the buffer's copy), or None."""
         graph = self._graphs.get(inputs.key)
         if graph is None:
-            graph = self._graphs[inputs.key] = self._capture(inputs)
+            graph = self._graphs[inputs.key] = self._capture(inputs, device_ids)
         graph.buffer.copy_(inputs.host.pin_memory(), non_blocking=True)  # the host goes on to the launch
+        if device_ids is not None:
+            inputs.token_ids(graph.buffer).copy_(device_ids)
         graph.graph.replay()
         self.replays += 1
         return graph.logits
 
-    def _capture(self, inputs: DecodeInputs) -> _Graph:
+    def _capture(self, inputs: DecodeInputs, device_ids: torch.Tensor | None) -> _Graph:
         runtime = self.runtime
         device = runtime.device
         buffer = inputs.host.to(device)
+        if device_ids is not None:  # the warm-up runs the step for real: with its tokens
+            inputs.token_ids(buffer).copy_(device_ids)
         states = runtime.compressor_states
         saved = states.save() if states is not None else None
         side = torch.cuda.Stream(device)

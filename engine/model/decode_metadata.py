@@ -1,4 +1,5 @@
-"""What every layer of one decode step reads: built once per step on the host, in static shapes.
+"""What every layer of one decode step reads: built once per step (page tables on the host, lists on the
+device), in static shapes.
 
 DeepSeek-V4 decode, per request b with new tokens at positions start_b .. start_b + s_q - 1:
   - query j at position p attends to the window positions max(0, p - W + 1) .. p (itself included) in
@@ -20,11 +21,15 @@ batch is padded to `padded_batch` (1, 2, 4, 8, then multiples of 8) with rows th
 wide; an entry table is padded with -1 to `entry_width` entries (powers of two, at least
 ENTRY_WIDTH_MIN: the kernels walk a list's whole width, so the width follows the longest request in
 buckets instead of the store's capacity); a ratio-4 layer attends to min(index_topk, width) entries.
-The runner builds a step's metadata while the GPU runs the step before it (token ids left out, written
-by DecodeInputs.set_input_ids when the step runs), so the build is off the step's path.
-Everything is computed on the host from the page tables (numpy, vectorized over the batch) into ONE
-int64 array, copied to the device in one transfer (DecodeInputs.host); `decode_metadata` makes the
-device views (and the int32 lists) from it, inside the step (in a graph: on its static input buffer).
+The runner builds a step's metadata while the GPU runs the step before it (token ids left out: the
+tokens that step chose stay on the device and are copied into the step's buffer there,
+DecodeInputs.token_ids; host ids go in by DecodeInputs.set_input_ids), so the build is off the step's path.
+The host (`build_decode_inputs`, numpy, vectorized over the batch) backs the pages and writes ONE int64
+array of compact inputs: token ids, each request's start, state rows, the window store's pages from the
+page of the first row the step reads ([B, window_pages]) and each compressed store's page table ([B,
+width / page size]), copied to the device in one transfer (DecodeInputs.host). `decode_metadata` turns it
+into the lists, tables and write slots above with GPU ops inside the step (in a graph: from its static
+input buffer): the host's work and the copy stay a few pages per request, not W + the entry widths.
 The plans of the three layer types (engine.h20_ops.plan_sparse_decode) depend on the key alone.
 """
 
@@ -83,6 +88,11 @@ class DecodeInputs:
         ids = _token_ids(input_ids, self.batch, self.key.s_q)
         self.host[: ids.size] = torch.from_numpy(ids)
 
+    def token_ids(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The step's token ids (batch * s_q, request after request) in `buffer` (host's layout on the device):
+        where a step whose tokens are still on the device writes them, after the buffer's copy."""
+        return buffer[: self.batch * self.key.s_q]
+
 
 @dataclass
 class DecodeMetadata:
@@ -125,42 +135,34 @@ def _padded(rows: np.ndarray, batch: int, fill: int) -> np.ndarray:
     return out
 
 
-def _slots(tables: np.ndarray, rows: np.ndarray, page_size: int) -> np.ndarray:
-    """Slot ids of rows [B, ...] (rows >= 0) through the page tables [B, n_pages]; -1 where unbacked."""
-    flat = rows.reshape(rows.shape[0], -1)
-    logical = np.minimum(flat // page_size, tables.shape[1] - 1)
-    pages = np.take_along_axis(tables, logical, axis=1)
-    return np.where(pages >= 0, pages * page_size + flat % page_size, -1).reshape(rows.shape)
+def window_pages(window: int, s_q: int, page_size: int) -> int:
+    """Pages of the window store a request's decode step reads or writes, at most: its queries' rows
+    first_row .. start + s_q - 1 span W + s_q - 1 rows, from any offset in a page."""
+    return (window + s_q - 2) // page_size + 2
 
 
-def _window(runtime, rids, starts: np.ndarray, positions: np.ndarray):
-    """The write slots [B, s_q] and the window lists [B, s_q, W] (backing the written rows first)."""
+def _window_table(runtime, rids, starts: np.ndarray, s_q: int):
+    """(first_page [B], pages [B, window_pages]): the window store's pages from the page of the first row any
+    query of the step reads (the written rows backed first); raises where a read row has no page."""
     store, w = runtime.stores.window, runtime.window
-    store.ensure_rows_of(rids, starts, starts + positions.shape[1])
-    tables = store.page_tables(rids, int(positions.max()) // store.page_size + 1)
-    first = np.maximum(0, positions - w + 1)
-    rows = first[..., None] + np.arange(w)
-    valid = rows <= positions[..., None]
-    slots = _slots(tables, np.where(valid, rows, 0), store.page_size)
-    if bool((valid & (slots < 0)).any()):
+    store.ensure_rows_of(rids, starts, starts + s_q)
+    ps = store.page_size
+    first_page = np.maximum(0, starts - w + 1) // ps
+    last_page = (starts + s_q - 1) // ps
+    n = window_pages(w, s_q, ps)
+    tables = store.page_tables(rids, int(first_page.max()) + n)
+    pages = np.take_along_axis(tables, first_page[:, None] + np.arange(n), axis=1)
+    needed = np.arange(n) <= (last_page - first_page)[:, None]
+    if bool((needed & (pages < 0)).any()):
         raise CacheCapacityError("window: a decode query reads a row whose page was released or never backed")
-    return _slots(tables, positions, store.page_size), np.where(valid, slots, -1)
+    return first_page, pages
 
 
-def _entry_table(store, rids, before: np.ndarray, counts: np.ndarray, width: int) -> np.ndarray:
-    """[B, width] slots of each request's entries after this step, -1 past its count; the entries this step
+def _entry_pages(store, rids, before: np.ndarray, counts: np.ndarray, width: int) -> np.ndarray:
+    """[B, pages of `width` entries]: each request's page table of the store; the entries this step
     completes (before .. counts - 1; the earlier ones are held) are backed now."""
     store.ensure_rows_of(rids, before, counts)
-    tables = store.page_tables(rids, -(-width // store.page_size))
-    ids = np.broadcast_to(np.arange(width), (len(rids), width))
-    return np.where(ids < counts[:, None], _slots(tables, ids, store.page_size), -1)
-
-
-def _entry_writes(table: np.ndarray, positions: np.ndarray, ratio: int) -> np.ndarray:
-    """[B, s_q]: the slot of the entry that the token at positions[b, j] completes, -1 where none."""
-    completes = (positions + 1) % ratio == 0
-    entry = np.maximum((positions + 1) // ratio - 1, 0)
-    return np.where(completes, np.take_along_axis(table, entry, axis=1), -1)
+    return store.page_tables(rids, -(-width // store.page_size))
 
 
 def _token_ids(input_ids, batch: int, s_q: int) -> np.ndarray:
@@ -174,7 +176,7 @@ def _token_ids(input_ids, batch: int, s_q: int) -> np.ndarray:
 def build_decode_inputs(runtime, seqs, input_ids) -> DecodeInputs:
     """The step's metadata on the host for runtime (a DeepseekV4Runtime), its sequences (SeqStep, each with
     the same number of new tokens) and their token ids (B * s_q, request after request; None: zeros, for
-    metadata built ahead of its step, the ids set later by DecodeInputs.set_input_ids)."""
+    metadata built ahead of its step, the ids set later by DecodeInputs.set_input_ids or on the device)."""
     s_q = seqs[0].length
     if any(s.length != s_q for s in seqs):
         raise ValueError(f"seqs: decode needs the same number of new tokens per sequence, got "
@@ -185,36 +187,25 @@ def build_decode_inputs(runtime, seqs, input_ids) -> DecodeInputs:
     stores = runtime.stores
     rids = [s.state.rid for s in seqs]
     starts = np.array([s.start for s in seqs], dtype=np.int64)
-    positions = starts[:, None] + np.arange(s_q)  # [B, s_q]
-    parts = {"input_ids": _padded(ids.reshape(batch, s_q), padded, 0),
-             "positions": _padded(positions, padded, 0)}
+    parts = {"input_ids": _padded(ids.reshape(batch, s_q), padded, 0), "starts": _padded(starts, padded, 0)}
     if runtime.compressor_states is not None:
         rows = np.array([s.state.state_row for s in seqs], dtype=np.int64)
         parts["state_rows"] = _padded(rows, padded, runtime.compressor_states.scratch_row)
-    writes, lists = _window(runtime, rids, starts, positions)
-    parts["window_writes"] = _padded(writes, padded, -1)
-    parts["window"] = _padded(lists, padded, -1)
-    csa_width = hca_width = 0
-    if stores.csa is not None:
-        ratio = runtime.ratio[CSA]
+    first_page, pages = _window_table(runtime, rids, starts, s_q)
+    parts["window_first_page"] = _padded(first_page, padded, 0)
+    parts["window_pages"] = _padded(pages, padded, -1)
+    widths = {}
+    for name, kind in (("csa", CSA), ("indexer", CSA), ("hca", HCA)):
+        store = getattr(stores, name)
+        if store is None:
+            continue
+        ratio = runtime.ratio[kind]
         counts = (starts + s_q) // ratio
-        csa_width = entry_width(int(counts.max()))
-        for name, store in (("csa", stores.csa), ("indexer", stores.indexer)):
-            table = _entry_table(store, rids, starts // ratio, counts, csa_width)
-            parts[f"{name}_entries"] = _padded(table, padded, -1)
-            parts[f"{name}_writes"] = _padded(_entry_writes(table, positions, ratio), padded, -1)
-    if stores.hca is not None:
-        ratio = runtime.ratio[HCA]
-        counts = (starts + s_q) // ratio
-        hca_width = entry_width(int(counts.max()))
-        table = _entry_table(stores.hca, rids, starts // ratio, counts, hca_width)
-        visible = (positions + 1) // ratio
-        lists = np.where(np.arange(hca_width) < visible[..., None], table[:, None, :], -1)
-        parts["hca"] = _padded(lists, padded, -1)
-        parts["hca_writes"] = _padded(_entry_writes(table, positions, ratio), padded, -1)
+        widths[kind] = entry_width(int(counts.max()))
+        parts[f"{name}_pages"] = _padded(_entry_pages(store, rids, starts // ratio, counts, widths[kind]), padded, -1)
     host = torch.from_numpy(np.concatenate([a.reshape(-1) for a in parts.values()]))
     layout = tuple((name, a.shape) for name, a in parts.items())
-    return DecodeInputs(DecodeKey(padded, s_q, csa_width, hca_width), batch, host, layout)
+    return DecodeInputs(DecodeKey(padded, s_q, widths.get(CSA, 0), widths.get(HCA, 0)), batch, host, layout)
 
 
 def plan_decode(runtime, key: DecodeKey) -> dict[str, DecodePlan]:
@@ -234,19 +225,53 @@ def plan_decode(runtime, key: DecodeKey) -> dict[str, DecodePlan]:
     return plans
 
 
-def decode_metadata(buffer: torch.Tensor, inputs: DecodeInputs, plans: dict[str, DecodePlan]) -> DecodeMetadata:
-    """The device views of a step's metadata in `buffer` (inputs.host's values, on the device): GPU ops only,
-    so that a CUDA graph captures the int32 conversions with the step."""
+def _slots(pages: torch.Tensor, ids: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Slot ids of ids [B, ...] (>= 0; a request's rows or entries, counted from its table's first page)
+    through its pages [B, n]; -1 where the page is unbacked (ids past the table read its last page)."""
+    local = (ids // page_size).clamp(max=pages.size(1) - 1)
+    page = torch.gather(pages, 1, local.reshape(ids.size(0), -1)).view(ids.shape)
+    return torch.where(page >= 0, page * page_size + ids % page_size, -1)
+
+
+def decode_metadata(buffer: torch.Tensor, inputs: DecodeInputs, plans: dict[str, DecodePlan], *, window: int,
+                    page_size: int, ratios: dict[str, int]) -> DecodeMetadata:
+    """The step's metadata on the device from `buffer` (inputs.host's values there): the slot lists and
+    tables computed from the page tables with GPU ops only, so that a CUDA graph captures them with the
+    step. window, page_size (every store's) and ratios (per compressed layer type): the runtime's."""
     views, offset = {}, 0
     for name, shape in inputs.layout:
         n = prod(shape)
         views[name] = buffer[offset: offset + n].view(shape)
         offset += n
-    hca = views.get("hca")
-    writes = {name: views[f"{name}_writes"] for name in ("csa", "indexer", "hca") if f"{name}_writes" in views}
+    batch, s_q = inputs.key.batch, inputs.key.s_q
+    device = buffer.device
+    positions = views["starts"][:, None] + torch.arange(s_q, device=device)  # [B, s_q]
+    # window: query p reads rows max(0, p - W + 1) .. p, oldest first; rows counted from the table's first page
+    first_row = views["window_first_page"][:, None, None] * page_size
+    rows = (positions - window + 1).clamp(min=0)[..., None] + torch.arange(window, device=device)  # [B, s_q, W]
+    pages = views["window_pages"]
+    window_lists = torch.where(rows <= positions[..., None], _slots(pages, rows - first_row, page_size), -1)
+    window_writes = _slots(pages, positions - first_row[:, :, 0], page_size)
+    entry_slots, entry_writes = {}, {}
+    for name, kind in (("csa", CSA), ("indexer", CSA), ("hca", HCA)):
+        if f"{name}_pages" not in views:
+            continue
+        width = inputs.key.csa_width if kind == CSA else inputs.key.hca_width
+        ratio = ratios[kind]
+        entries = torch.arange(width, device=device).expand(batch, -1)
+        counts = (views["starts"] + s_q) // ratio
+        table = torch.where(entries < counts[:, None], _slots(views[f"{name}_pages"], entries, page_size), -1)
+        entry_slots[name] = table  # [B, width]: slot of entry e, -1 past the request's count
+        completes = (positions + 1) % ratio == 0  # the token at p closes entry (p + 1) / ratio - 1
+        closed = torch.gather(table, 1, ((positions + 1) // ratio - 1).clamp(min=0))
+        entry_writes[name] = torch.where(completes, closed, -1)
+    hca = None
+    if "hca" in entry_slots:
+        visible = (positions + 1) // ratios[HCA]
+        entries = torch.arange(inputs.key.hca_width, device=device)
+        hca = torch.where(entries < visible[..., None], entry_slots["hca"][:, None, :], -1).to(torch.int32)
     return DecodeMetadata(
-        key=inputs.key, input_ids=views["input_ids"].view(-1), positions=views["positions"].view(-1),
-        state_rows=views.get("state_rows"), window_write_slots=views["window_writes"].view(-1),
-        window_indices=views["window"].to(torch.int32), csa_entry_slots=views.get("csa_entries"),
-        indexer_entry_slots=views.get("indexer_entries"), hca_indices=None if hca is None else hca.to(torch.int32),
-        entry_writes=writes, plans=plans)
+        key=inputs.key, input_ids=views["input_ids"].view(-1), positions=positions.reshape(-1),
+        state_rows=views.get("state_rows"), window_write_slots=window_writes.reshape(-1),
+        window_indices=window_lists.to(torch.int32), csa_entry_slots=entry_slots.get("csa"),
+        indexer_entry_slots=entry_slots.get("indexer"), hca_indices=hca, entry_writes=entry_writes, plans=plans)

@@ -116,6 +116,10 @@ class DeepseekV4Runtime:
         self.heads = cfg.num_attention_heads
         self.head_dim = cfg.head_dim
         self.ratio = {CSA: cfg.compress_rates[CSA], HCA: cfg.compress_rates[HCA]}
+        page_sizes = {name: store.page_size for name, store in vars(stores).items() if store is not None}
+        if len(set(page_sizes.values())) != 1:
+            raise ValueError(f"stores: the decode metadata needs one page size for every store, got {page_sizes}")
+        self.page_size = page_sizes["window"]
         # A speculative step: {"seqs": rid -> (batch row, start), "compressors": [_Journaled]} for rollback.
         self.journal: dict | None = None
         self.graphs = None  # engine.model.decode_graphs.DecodeGraphs when decode steps replay CUDA graphs
@@ -173,29 +177,39 @@ class DeepseekV4Runtime:
     @torch.no_grad()
     def decode(self, input_ids, seqs: list[SeqStep], *, inputs: DecodeInputs | None = None, all_logits: bool = False,
                all_hidden: bool = False, speculative: bool = False):
-        """One decode step: input_ids the B * s_q new token ids on the HOST (a list or CPU tensor; they
-        travel in the step's one copy), seqs one SeqStep per request (same length s_q); inputs: the step's
-        metadata from prepare_decode(seqs) (None: built here). Returns (logits fp32, hidden): each
-        sequence's last token's logits [B, vocab] (all_logits: every token's, [B * s_q, vocab]); hidden
-        None, or with all_hidden every token's [B * s_q, hidden].
+        """One decode step: input_ids the B * s_q new token ids, request after request: on the host (a list
+        or CPU tensor; they travel in the step's one copy), or an int64 tensor on the runtime's device (the
+        tokens the step before chose, not read back: copied into the step's buffer on the device); seqs one
+        SeqStep per request (same length s_q); inputs: the step's metadata from prepare_decode(seqs) (None:
+        built here). Returns (logits fp32, hidden): each sequence's last token's logits [B, vocab]
+        (all_logits: every token's, [B * s_q, vocab]); hidden None, or with all_hidden every token's
+        [B * s_q, hidden].
         speculative: journal the compressor states so that `rollback` can drop trailing tokens.
         With CUDA graphs (self.graphs) a plain step (no all_logits / all_hidden / speculative) replays the
         graph of its DecodeKey; every other step runs decode_step eagerly."""
+        on_device = torch.is_tensor(input_ids) and input_ids.device == self.device
+        n_ids = sum(s.length for s in seqs)
+        if on_device and (input_ids.dtype != torch.long or input_ids.shape != (n_ids,)):
+            raise ValueError(f"input_ids: expected an int64 tensor of shape [{n_ids}] (B * s_q), got "
+                             f"{input_ids.dtype} {tuple(input_ids.shape)}")
         if inputs is None:
-            inputs = build_decode_inputs(self, seqs, input_ids)
+            inputs = build_decode_inputs(self, seqs, None if on_device else input_ids)
         elif inputs.batch != len(seqs) or inputs.key.s_q != seqs[0].length:
             raise ValueError(f"inputs: prepared for {inputs.batch} sequences x {inputs.key.s_q} tokens, the step has "
                              f"{len(seqs)} x {seqs[0].length}")
-        else:
+        elif not on_device:
             inputs.set_input_ids(input_ids)
+        device_ids = input_ids if on_device else None
         rows = inputs.batch * inputs.key.s_q
         if self.graphs is not None and not (all_logits or all_hidden or speculative):
             self.journal = None
-            return self.graphs.run(inputs)[: inputs.batch], None
+            return self.graphs.run(inputs, device_ids)[: inputs.batch], None
         self.journal = ({"seqs": {s.state.rid: (b, s.start) for b, s in enumerate(seqs)}, "compressors": []}
                         if speculative else None)
-        logits, hidden = self.decode_step(inputs.host.to(self.device), inputs, all_logits=all_logits,
-                                          all_hidden=all_hidden)
+        buffer = inputs.host.to(self.device)
+        if device_ids is not None:
+            inputs.token_ids(buffer).copy_(device_ids)
+        logits, hidden = self.decode_step(buffer, inputs, all_logits=all_logits, all_hidden=all_hidden)
         logits = logits[:rows] if all_logits else logits[: inputs.batch]
         return logits, None if hidden is None else hidden[:rows]
 
@@ -205,12 +219,17 @@ class DeepseekV4Runtime:
             plans = self._plans[key] = plan_decode(self, key)
         return plans
 
+    def decode_metadata(self, buffer: torch.Tensor, inputs: DecodeInputs) -> DecodeMetadata:
+        """The step's metadata on the device (decode_metadata over this runtime's window, page size, ratios)."""
+        return decode_metadata(buffer, inputs, self.decode_plans(inputs.key), window=self.window,
+                               page_size=self.page_size, ratios=self.ratio)
+
     def decode_step(self, buffer: torch.Tensor, inputs: DecodeInputs, *, all_logits: bool = False,
                     all_hidden: bool = False):
         """The decode forward on the device from the step's metadata buffer (inputs.host's values on the
         device): GPU ops only, what a CUDA graph captures. Returns (logits, hidden) over the padded batch:
         [key.batch, vocab] (all_logits: [key.batch * s_q, vocab]), hidden as `decode`."""
-        meta = decode_metadata(buffer, inputs, self.decode_plans(inputs.key))
+        meta = self.decode_metadata(buffer, inputs)
         hidden = self._embed(meta.input_ids)
         rope = self.rope_tables(meta.positions, hidden.dtype)
         for layer_idx, layer in enumerate(self.model.layers):
@@ -496,7 +515,7 @@ class NextNRuntime:
         (logits [B * s_q, vocab] fp32, the layer's collapsed hidden [B * s_q, hidden])."""
         runtime = self.runtime
         inputs = build_decode_inputs(runtime, seqs, input_ids)
-        meta = decode_metadata(inputs.host.to(runtime.device), inputs, runtime.decode_plans(inputs.key))
+        meta = runtime.decode_metadata(inputs.host.to(runtime.device), inputs)
         rows = inputs.batch * meta.s_q
         hidden = F.pad(hidden, (0, 0, 0, meta.batch * meta.s_q - rows))  # the padding rows read nothing
         streams = self._streams(meta.input_ids, hidden)
